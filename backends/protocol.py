@@ -1,0 +1,229 @@
+"""The op protocol: one signature per op, and a registry keyed by (op, backend).
+
+Models call every numerically interesting op through an `Ops` table resolved once per engine
+(`load_ops("xla")`), so that a backend can be swapped without touching the model. `xla` (plain
+jax.numpy) is always present and is the ground truth; other backends must match it within the
+tolerances stated in their tests.
+
+Dimension letters used in the shapes below:
+  B batch rows, T tokens per row, S cache length, N query heads, K kv heads, H head dim,
+  C conv channels, W conv width, Hs ssm heads, P ssm head dim, G ssm groups, Ns ssm state dim,
+  E experts, M routed token slots (tokens * top_k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+
+Array = jax.Array
+
+
+class BackendError(RuntimeError):
+    """A backend is unknown, lacks an op, or does not support this hardware."""
+
+
+class RmsNorm(Protocol):
+    def __call__(self, x: Array, weight: Array, eps: float) -> Array:
+        """RMSNorm: `weight * x / sqrt(mean(x^2) + eps)`, statistics in float32.
+
+        Args:
+          x: [..., D]. weight: [D].
+        Returns: [..., D] in x's dtype.
+        """
+
+
+class GatedRmsNorm(Protocol):
+    def __call__(self, y: Array, z: Array, weight: Array, eps: float, group_size: int) -> Array:
+        """Gated group RMSNorm (gate first): `g = y * silu(z)`, normalised per group of
+        `group_size` channels, times `weight`. Float32 inside.
+
+        Args:
+          y, z: [..., I]. weight: [I]. I must be a multiple of group_size.
+        Returns: [..., I] in y's dtype.
+        """
+
+
+class CausalConv1d(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        state: Array,
+        weight: Array,
+        bias: Array | None,
+        lengths: Array,
+        activation: str | None,
+    ) -> tuple[Array, Array]:
+        """Causal depthwise conv over a chunk that continues from `state`.
+
+        `y[t, c] = bias[c] + sum_k weight[c, k] * u[t - (W-1) + k, c]`, where u is the state's
+        W-1 earlier inputs followed by x; then the activation ("silu" or None).
+
+        Args:
+          x: [B, T, C]; rows are valid for their first `lengths[b]` tokens (the rest is padding).
+          state: [B, C, W-1], the W-1 raw inputs before x (DS layout: channel-major).
+          weight: [C, W] (tap W-1 multiplies the current token). bias: [C] or None.
+          lengths: [B] int32, valid tokens per row (0 <= lengths <= T).
+        Returns:
+          y: [B, T, C] (padding positions hold garbage), new_state: [B, C, W-1], the last W-1
+          valid raw inputs of each row.
+        """
+
+
+class CausalConv1dStep(Protocol):
+    def __call__(
+        self, x: Array, state: Array, weight: Array, bias: Array | None, activation: str | None
+    ) -> tuple[Array, Array]:
+        """One-token causal conv update. x: [B, C]; state: [B, C, W-1].
+
+        Returns: y [B, C], new_state [B, C, W-1] (state shifted left by one, x appended).
+        """
+
+
+class Mamba2Scan(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        dt: Array,
+        a: Array,
+        b: Array,
+        c: Array,
+        d: Array,
+        initial_state: Array,
+        chunk_size: int,
+    ) -> tuple[Array, Array]:
+        """Chunked SSD scan (Mamba2) over a chunk of tokens from an initial state.
+
+        Per head h (group g(h) = h // (Hs/G)) and token t:
+          `s_t = exp(dt_t * a_h) * s_{t-1} + dt_t * (x_t outer b_t)`   (s: [P, Ns])
+          `y_t = s_t . c_t + d_h * x_t`
+        Padding tokens must carry dt = 0 and x = 0, which leaves the state unchanged.
+
+        Args:
+          x: [B, T, Hs, P]. dt: [B, T, Hs] (after softplus; no clamp). a: [Hs] (negative).
+          b, c: [B, T, G, Ns]. d: [Hs]. initial_state: [B, Hs, P, Ns] float32.
+          chunk_size: the SSD block length (the result does not depend on it beyond rounding).
+        Returns:
+          y: [B, T, Hs, P] in x's dtype; final_state: [B, Hs, P, Ns] float32.
+        """
+
+
+class Mamba2Step(Protocol):
+    def __call__(
+        self, state: Array, x: Array, dt: Array, a: Array, b: Array, c: Array, d: Array
+    ) -> tuple[Array, Array]:
+        """One-token Mamba2 state update (the recurrence of `Mamba2Scan` for T = 1).
+
+        Args: state [B, Hs, P, Ns] float32; x [B, Hs, P]; dt [B, Hs]; a, d [Hs]; b, c [B, G, Ns].
+        Returns: y [B, Hs, P] in x's dtype; new_state [B, Hs, P, Ns] float32.
+        """
+
+
+class CachedAttention(Protocol):
+    def __call__(
+        self,
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        q_positions: Array,
+        kv_lengths: Array,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Array:
+        """Causal GQA attention of new queries over a per-row contiguous KV cache.
+
+        Key j is visible to a query at position p when `j <= p`, `j < kv_lengths[b]` and, with a
+        window, `p - j < sliding_window`. Softmax in float32.
+
+        Args:
+          q: [B, T, N, H]. k_cache, v_cache: [B, S, K, H] with N % K == 0.
+          q_positions: [B, T] int32 absolute positions. kv_lengths: [B] int32.
+        Returns: [B, T, N, H] in q's dtype.
+        """
+
+
+class GroupedMatmul(Protocol):
+    def __call__(self, x: Array, w: Array, group_sizes: Array) -> Array:
+        """Ragged (grouped) matmul for MoE: rows of x sorted by expert.
+
+        Args: x [M, Din]; w [E, Din, Dout]; group_sizes [E] int32 summing to M.
+        Returns: [M, Dout], row r multiplied by the weight of the expert it belongs to.
+        """
+
+
+OP_SIGNATURES: dict[str, type] = {
+    "rms_norm": RmsNorm,
+    "gated_rms_norm": GatedRmsNorm,
+    "causal_conv1d": CausalConv1d,
+    "causal_conv1d_step": CausalConv1dStep,
+    "mamba2_scan": Mamba2Scan,
+    "mamba2_step": Mamba2Step,
+    "cached_attention": CachedAttention,
+    "grouped_matmul": GroupedMatmul,
+}
+
+BACKENDS = ("xla", "pallas", "torch")
+_REGISTRY: dict[tuple[str, str], Callable] = {}
+
+
+def register(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator: register `fn` as the implementation of `op` for `backend`."""
+    if op not in OP_SIGNATURES:
+        raise BackendError(f"unknown op {op!r}; known ops: {sorted(OP_SIGNATURES)}")
+
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY[(op, backend)] = fn
+        return fn
+
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The resolved op table of one backend (one field per op in `OP_SIGNATURES`)."""
+
+    backend: str
+    rms_norm: RmsNorm
+    gated_rms_norm: GatedRmsNorm
+    causal_conv1d: CausalConv1d
+    causal_conv1d_step: CausalConv1dStep
+    mamba2_scan: Mamba2Scan
+    mamba2_step: Mamba2Step
+    cached_attention: CachedAttention
+    grouped_matmul: GroupedMatmul
+
+
+def _import_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    try:
+        importlib.import_module(f"backends.{backend}")
+    except ImportError as err:
+        raise BackendError(f"backend {backend!r} is not available here: {err}") from err
+
+
+def get_op(op: str, backend: str) -> Callable:
+    """The implementation of `op` in `backend`; raises `BackendError` when it has none."""
+    _import_backend(backend)
+    try:
+        return _REGISTRY[(op, backend)]
+    except KeyError:
+        raise BackendError(f"backend {backend!r} has no implementation of op {op!r}") from None
+
+
+def load_ops(backend: str = "xla", fallback: str | None = None) -> Ops:
+    """Resolve every op for `backend`. Ops it lacks come from `fallback` only when one is given
+    (e.g. `fallback="xla"`); otherwise a missing op raises `BackendError`."""
+    table = {}
+    for op in OP_SIGNATURES:
+        try:
+            table[op] = get_op(op, backend)
+        except BackendError:
+            if fallback is None:
+                raise
+            table[op] = get_op(op, fallback)
+    return Ops(backend=backend, **table)

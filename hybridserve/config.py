@@ -1,0 +1,255 @@
+"""Frozen configuration dataclasses. Standard library only.
+
+`ModelConfig` describes a hybrid decoder as a layer pattern plus the dimensions of each kind of
+layer. `ModelConfig.from_hf(path)` reads a Hugging Face `config.json` (families `nemotron_h`,
+`bamba`, `granitemoehybrid`); `to_dict` / `from_dict` give our own JSON form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
+ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
+ROUTERS = ("sigmoid_group", "softmax_topk")
+
+
+class ConfigError(ValueError):
+    """A configuration is missing a field, has an inconsistent one, or is of an unknown kind."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba2 mixer: `num_heads` heads of `head_dim` channels, `n_groups` groups of B/C."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float = math.inf
+
+    def __post_init__(self) -> None:
+        _require(self.num_heads > 0 and self.head_dim > 0, "mamba num_heads/head_dim must be > 0")
+        _require(
+            self.num_heads % self.n_groups == 0,
+            f"mamba num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})",
+        )
+        _require(self.conv_kernel >= 1, f"mamba conv_kernel must be >= 1, got {self.conv_kernel}")
+        _require(self.chunk_size >= 1, f"mamba chunk_size must be >= 1, got {self.chunk_size}")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """GQA attention. `scale=None` means `head_dim ** -0.5`; `rope_theta=None` means no RoPE
+    (NoPE); RoPE rotates the first `rotary_dim` channels of each head."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float | None = None
+    bias: bool = False
+    rope_theta: float | None = None
+    rotary_dim: int | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_attention_heads ({self.num_heads}) must be a multiple of "
+            f"num_key_value_heads ({self.num_kv_heads})",
+        )
+        if self.rope_theta is not None:
+            rd = self.rotary_dim
+            _require(
+                rd is not None and 0 < rd <= self.head_dim and rd % 2 == 0,
+                f"rotary_dim ({rd}) must be even and in (0, head_dim={self.head_dim}]",
+            )
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.scale is None else self.scale
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpConfig:
+    """A dense MLP: `down(act(up x))`, or `down(act(gate x) * up x)` when gated."""
+
+    intermediate_size: int
+    activation: str = "relu2"
+    gated: bool = False
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.activation in ACTIVATIONS, f"unknown MLP activation {self.activation!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Mixture of experts.
+
+    `router="sigmoid_group"` (nemotron_h): sigmoid scores, a correction bias used only to select,
+    group-limited top-k, optional renormalisation, `routed_scaling_factor`. `"softmax_topk"`
+    (granitemoehybrid): top-k of the raw logits, softmax over those k. A shared expert of width
+    `shared_intermediate_size` (0 = none) always runs on the un-projected input.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "sigmoid_group"
+    activation: str = "relu2"
+    gated: bool = False
+    bias: bool = False
+    shared_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    latent_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.router in ROUTERS, f"unknown MoE router {self.router!r}")
+        _require(self.activation in ACTIVATIONS, f"unknown MoE activation {self.activation!r}")
+        _require(
+            0 < self.top_k <= self.num_experts,
+            f"num_experts_per_tok ({self.top_k}) must be in [1, n_routed_experts="
+            f"{self.num_experts}]",
+        )
+        _require(
+            self.num_experts % self.n_group == 0,
+            f"n_routed_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})",
+        )
+        _require(
+            0 < self.topk_group <= self.n_group,
+            f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A hybrid decoder: `layer_types[i]` is the mixer of block i, one of LAYER_KINDS.
+
+    Each block is `x += r * mixer(norm(x))`, followed, when `ffn` is set ("mlp" or "moe"), by
+    `x += r * ffn(norm2(x))`, with r the residual multiplier. Logits are
+    `lm_head(norm_f(x)) / logits_scaling`; embeddings are scaled by `embedding_multiplier`.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    norm_eps: float
+    ffn: str | None = None
+    attention: AttentionConfig | None = None
+    mamba: MambaConfig | None = None
+    mlp: MlpConfig | None = None
+    moe: MoeConfig | None = None
+    tie_word_embeddings: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        bad = sorted({k for k in self.layer_types if k not in LAYER_KINDS})
+        _require(not bad, f"unknown layer kinds {bad}; expected some of {list(LAYER_KINDS)}")
+        _require(len(self.layer_types) > 0, "the layer pattern is empty")
+        _require(self.ffn in (None, "mlp", "moe"), f"ffn must be None, 'mlp' or 'moe': {self.ffn}")
+        needs = set(self.layer_types) | ({self.ffn} if self.ffn else set())
+        for kind in ("attention", "mamba", "mlp", "moe"):
+            if kind in needs:
+                _require(
+                    getattr(self, kind) is not None,
+                    f"the layer pattern uses {kind!r} layers but the {kind} config is missing",
+                )
+        _require(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size/hidden_size must be > 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def pattern(self) -> str:
+        """The layer pattern in Nemotron-H letters: M mamba, * attention, - mlp, E moe."""
+        letters = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+        return "".join(letters[k] for k in self.layer_types)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (infinities as strings)."""
+        return _jsonable(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Inverse of `to_dict`."""
+        subs = {
+            "attention": AttentionConfig,
+            "mamba": MambaConfig,
+            "mlp": MlpConfig,
+            "moe": MoeConfig,
+        }
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        _require(not unknown, f"unknown ModelConfig fields {unknown}")
+        kwargs = dict(data)
+        for key, sub in subs.items():
+            if kwargs.get(key) is not None:
+                kwargs[key] = sub(**_unjson(kwargs[key]))
+        kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Parse a Hugging Face config (a `config.json` file or a directory holding one)."""
+        from hybridserve.hf_config import parse_hf_config
+
+        return parse_hf_config(path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _unjson(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: (float(v) if v in ("inf", "-inf") else v) for k, v in data.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device parallelism. Tensor parallelism shards heads, MLP and expert widths."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")

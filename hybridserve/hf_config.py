@@ -1,0 +1,343 @@
+"""Hugging Face `config.json` -> `ModelConfig`, for nemotron_h, bamba and granitemoehybrid.
+
+Accepts both forms of the Nemotron-H layer layout (the `layers_block_type` list and the legacy
+`hybrid_override_pattern` string), legacy field aliases, and the `{"__float__": "Infinity"}`
+encoding transformers writes for infinite floats. A missing or inconsistent field raises
+`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hybridserve.config import (
+    AttentionConfig,
+    ConfigError,
+    MambaConfig,
+    MlpConfig,
+    ModelConfig,
+    MoeConfig,
+)
+
+_KIND_NAMES = {
+    "M": "mamba",
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "*": "attention",
+    "attention": "attention",
+    "full_attention": "attention",
+    "-": "mlp",
+    "mlp": "mlp",
+    "E": "moe",
+    "moe": "moe",
+}
+_ACTIVATIONS = {"relu2": "relu2", "silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
+
+
+def _decode_floats(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"}:
+            return float(obj["__float__"])  # "Infinity", "-Infinity", "NaN"
+        return {k: _decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_floats(v) for v in obj]
+    return obj
+
+
+def load_hf_json(path: str | Path) -> dict[str, Any]:
+    """Read `config.json` (given the file or its directory), decoding `{"__float__": ...}`."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json at {path}")
+    try:
+        return _decode_floats(json.loads(path.read_text()))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from err
+
+
+class _Fields:
+    """Field access that names the missing field, the model type and the file."""
+
+    def __init__(self, raw: dict[str, Any], where: str) -> None:
+        self.raw, self.where = raw, where
+
+    def get(self, *names: str, default: Any = ...) -> Any:
+        for name in names:
+            if name in self.raw and self.raw[name] is not None:
+                return self.raw[name]
+        if default is ...:
+            raise ConfigError(f"{self.where}: missing field {names[0]!r}")
+        return default
+
+    def kinds(self, name: str, values: list[str]) -> tuple[str, ...]:
+        try:
+            return tuple(_KIND_NAMES[v] for v in values)
+        except KeyError as err:
+            raise ConfigError(
+                f"{self.where}: field {name!r} has unknown layer kind {err}"
+            ) from None
+
+    def activation(self, *names: str, default: str) -> str:
+        act = self.get(*names, default=default)
+        if act not in _ACTIVATIONS:
+            raise ConfigError(f"{self.where}: field {names[0]!r} = {act!r} is not supported")
+        return _ACTIVATIONS[act]
+
+
+def _common(f: _Fields, model_type: str, eps_field: str) -> dict[str, Any]:
+    eos = f.get("eos_token_id", default=None)
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return dict(
+        architecture=model_type,
+        vocab_size=int(f.get("vocab_size")),
+        hidden_size=int(f.get("hidden_size")),
+        norm_eps=float(f.get(eps_field)),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
+        max_position_embeddings=int(f.get("max_position_embeddings", default=4096)),
+        bos_token_id=f.get("bos_token_id", default=None),
+        eos_token_ids=eos_ids,
+        pad_token_id=f.get("pad_token_id", default=None),
+        dtype=str(f.get("dtype", "torch_dtype", default="float32")),
+    )
+
+
+def _mamba(
+    f: _Fields,
+    num_heads: str,
+    head_dim: int,
+    state: str,
+    groups: tuple[str, ...],
+    conv: tuple[str, ...],
+    chunk: tuple[str, ...],
+    conv_bias: tuple[str, ...],
+    proj_bias: tuple[str, ...],
+) -> MambaConfig:
+    limit = f.get("time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))
+    if len(limit) != 2 or not limit[0] <= limit[1]:
+        raise ConfigError(f"{f.where}: field 'time_step_limit' must be [min, max], got {limit}")
+    return MambaConfig(
+        num_heads=int(f.get(num_heads)),
+        head_dim=head_dim,
+        state_size=int(f.get(state)),
+        n_groups=int(f.get(*groups)),
+        conv_kernel=int(f.get(*conv)),
+        chunk_size=int(f.get(*chunk)),
+        use_conv_bias=bool(f.get(*conv_bias, default=True)),
+        use_bias=bool(f.get(*proj_bias, default=False)),
+        dt_min=float(limit[0]),
+        dt_max=float(limit[1]),
+    )
+
+
+def _rope(f: _Fields, head_dim: int, partial: float) -> tuple[float, int]:
+    params = f.get("rope_parameters", default=None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(
+            f"{f.where}: field 'rope_parameters.rope_type' = {rope_type!r} is not "
+            "supported (only 'default')"
+        )
+    theta = params.get("rope_theta", f.get("rope_theta", default=10000.0))
+    return float(theta), int(head_dim * partial)
+
+
+def _attention(f: _Fields, **extra: Any) -> AttentionConfig:
+    heads = int(f.get("num_attention_heads"))
+    hidden = int(f.get("hidden_size"))
+    head_dim = int(f.get("head_dim", default=hidden // heads))
+    return AttentionConfig(
+        num_heads=heads,
+        num_kv_heads=int(f.get("num_key_value_heads", default=heads)),
+        head_dim=head_dim,
+        **extra,
+    )
+
+
+def _nemotron_h(f: _Fields) -> ModelConfig:
+    if "layers_block_type" in f.raw or "layer_types" in f.raw:
+        name = "layers_block_type" if "layers_block_type" in f.raw else "layer_types"
+        kinds = f.kinds(name, list(f.get(name)))
+    elif "hybrid_override_pattern" in f.raw:
+        kinds = f.kinds("hybrid_override_pattern", list(f.get("hybrid_override_pattern")))
+    else:
+        raise ConfigError(
+            f"{f.where}: missing field 'layers_block_type' (or the legacy "
+            "'hybrid_override_pattern')"
+        )
+    n_layers = f.get("num_hidden_layers", default=None)
+    if isinstance(n_layers, int) and "hybrid_override_pattern" in f.raw and n_layers != len(kinds):
+        raise ConfigError(
+            f"{f.where}: field 'num_hidden_layers' ({n_layers}) does not match "
+            f"'hybrid_override_pattern' ({len(kinds)} layers)"
+        )
+    mamba = attention = mlp = moe = None
+    if "mamba" in kinds:
+        mamba = _mamba(
+            f,
+            "mamba_num_heads",
+            int(f.get("mamba_head_dim")),
+            "ssm_state_size",
+            ("n_groups", "mamba_n_groups"),
+            ("conv_kernel", "mamba_d_conv"),
+            ("chunk_size", "mamba_chunk_size"),
+            ("use_conv_bias", "mamba_conv_bias"),
+            ("use_bias",),
+        )
+    if "attention" in kinds:
+        attention = _attention(f)  # NoPE; q/k/v/o carry no bias in this family
+    act = f.activation("mlp_hidden_act", default="relu2")
+    mlp_bias = bool(f.get("mlp_bias", default=False))
+    if "mlp" in kinds:
+        mlp = MlpConfig(int(f.get("intermediate_size")), activation=act, bias=mlp_bias)
+    if "moe" in kinds:
+        moe = MoeConfig(
+            num_experts=int(f.get("n_routed_experts", "num_local_experts")),
+            top_k=int(f.get("num_experts_per_tok")),
+            intermediate_size=int(f.get("moe_intermediate_size")),
+            router="sigmoid_group",
+            activation=act,
+            bias=mlp_bias,
+            shared_intermediate_size=int(f.get("moe_shared_expert_intermediate_size", default=0)),
+            n_group=int(f.get("n_group", default=1)),
+            topk_group=int(f.get("topk_group", default=1)),
+            routed_scaling_factor=float(f.get("routed_scaling_factor", default=1.0)),
+            norm_topk_prob=bool(f.get("norm_topk_prob", default=True)),
+            latent_size=f.get("moe_latent_size", default=None),
+        )
+    return ModelConfig(
+        layer_types=kinds,
+        attention=attention,
+        mamba=mamba,
+        mlp=mlp,
+        moe=moe,
+        **_common(f, "nemotron_h", "layer_norm_epsilon"),
+    )
+
+
+def _granite_family_mamba(f: _Fields) -> MambaConfig:
+    heads = int(f.get("mamba_n_heads"))
+    head_dim = f.get("mamba_d_head", default="auto")
+    if head_dim == "auto":
+        head_dim = int(f.get("mamba_expand", default=2)) * int(f.get("hidden_size")) // heads
+    return _mamba(
+        f,
+        "mamba_n_heads",
+        int(head_dim),
+        "mamba_d_state",
+        ("mamba_n_groups",),
+        ("mamba_d_conv",),
+        ("mamba_chunk_size",),
+        ("mamba_conv_bias",),
+        ("mamba_proj_bias",),
+    )
+
+
+def _bamba(f: _Fields) -> ModelConfig:
+    n_layers = int(f.get("num_hidden_layers"))
+    attn_idx = set(f.get("attn_layer_indices", default=[]))
+    if any(not 0 <= i < n_layers for i in attn_idx):
+        raise ConfigError(
+            f"{f.where}: field 'attn_layer_indices' {sorted(attn_idx)} is out of "
+            f"range for num_hidden_layers={n_layers}"
+        )
+    kinds = tuple("attention" if i in attn_idx else "mamba" for i in range(n_layers))
+    attention = None
+    if attn_idx:
+        probe = _attention(f)
+        # transformers hard-codes partial_rotary_factor = 0.5 for Bamba.
+        theta, rotary_dim = _rope(f, probe.head_dim, 0.5)
+        attention = _attention(
+            f,
+            bias=bool(f.get("attention_bias", default=False)),
+            rope_theta=theta,
+            rotary_dim=rotary_dim,
+        )
+    mlp = MlpConfig(
+        int(f.get("intermediate_size")),
+        activation=f.activation("hidden_act", default="silu"),
+        gated=True,
+        bias=bool(f.get("mlp_bias", default=False)),
+    )
+    mamba = _granite_family_mamba(f) if "mamba" in kinds else None
+    return ModelConfig(
+        layer_types=kinds,
+        ffn="mlp",
+        attention=attention,
+        mamba=mamba,
+        mlp=mlp,
+        **_common(f, "bamba", "rms_norm_eps"),
+    )
+
+
+def _granitemoehybrid(f: _Fields) -> ModelConfig:
+    name = "layer_types" if "layer_types" in f.raw else "layers_block_type"
+    kinds = f.kinds(name, list(f.get(name)))
+    bad = sorted(set(kinds) - {"mamba", "attention"})
+    if bad:
+        raise ConfigError(
+            f"{f.where}: field {name!r} may hold only mamba/attention layers, got {bad}"
+        )
+    act = f.activation("hidden_act", default="silu")
+    attention = None
+    if "attention" in kinds:
+        rope = f.get("position_embedding_type", default=None)
+        if rope not in (None, "nope", "rope"):
+            raise ConfigError(
+                f"{f.where}: field 'position_embedding_type' = {rope!r} is not supported"
+            )
+        extra: dict[str, Any] = {}
+        if rope == "rope":
+            extra["rope_theta"], extra["rotary_dim"] = _rope(f, _attention(f).head_dim, 1.0)
+        attention = _attention(
+            f,
+            scale=float(f.get("attention_multiplier")),
+            bias=bool(f.get("attention_bias", default=False)),
+            **extra,
+        )
+    shared = int(f.get("shared_intermediate_size"))
+    n_experts = int(f.get("num_local_experts", default=0))
+    mlp = moe = None
+    if n_experts > 0:
+        moe = MoeConfig(
+            num_experts=n_experts,
+            top_k=int(f.get("num_experts_per_tok")),
+            intermediate_size=int(f.get("intermediate_size")),
+            router="softmax_topk",
+            activation=act,
+            gated=True,
+            shared_intermediate_size=shared,
+        )
+    else:
+        mlp = MlpConfig(shared, activation=act, gated=True)
+    mamba = _granite_family_mamba(f) if "mamba" in kinds else None
+    return ModelConfig(
+        layer_types=kinds,
+        ffn="moe" if moe else "mlp",
+        attention=attention,
+        mamba=mamba,
+        mlp=mlp,
+        moe=moe,
+        embedding_multiplier=float(f.get("embedding_multiplier", default=1.0)),
+        residual_multiplier=float(f.get("residual_multiplier", default=1.0)),
+        logits_scaling=float(f.get("logits_scaling", default=1.0)),
+        **_common(f, "granitemoehybrid", "rms_norm_eps"),
+    )
+
+
+PARSERS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granitemoehybrid}
+
+
+def parse_hf_config(path: str | Path) -> ModelConfig:
+    """Parse an HF config of a supported family into a `ModelConfig`."""
+    raw = load_hf_json(path)
+    model_type = raw.get("model_type")
+    if model_type not in PARSERS:
+        raise ConfigError(
+            f"{path}: unsupported model_type {model_type!r}; supported: {sorted(PARSERS)}"
+        )
+    return PARSERS[model_type](_Fields(raw, f"{path} ({model_type})"))

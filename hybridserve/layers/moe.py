@@ -1,0 +1,110 @@
+"""Mixture of experts with a grouped (ragged) expert matmul.
+
+Routers (scores over E experts for a token u):
+  sigmoid_group (nemotron_h): `s = sigmoid(u W_r)`; selection on `s + bias` (the correction
+    bias only selects); with n_group > 1 each group is scored by the sum of its two best biased
+    scores and only the best `topk_group` groups compete; `w_j = s_j / sum_k s_k` over the chosen
+    top-k (when norm_topk_prob), times `routed_scaling_factor`.
+  softmax_topk (granitemoehybrid): top-k of the raw logits `u W_r`, `w = softmax` over those k.
+Output: `fc2(sum_j w_j expert_j(fc1 u)) + shared(u)` (fc1/fc2: the optional latent projection;
+the shared expert reads the un-projected u).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from backends.protocol import Ops
+from hybridserve.config import MlpConfig, MoeConfig
+from hybridserve.layers.linear import Einsum, param
+from hybridserve.layers.mlp import Mlp, activation
+
+
+def route(cfg: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Router logits [M, E] (float32) -> (weights [M, k] float32, expert ids [M, k] int32)."""
+    if cfg.router == "softmax_topk":
+        top_logits, ids = jax.lax.top_k(logits, cfg.top_k)
+        return jax.nn.softmax(top_logits, axis=-1), ids
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias if bias is not None else scores
+    if cfg.n_group > 1:
+        m, e = choice.shape
+        grouped = choice.reshape(m, cfg.n_group, e // cfg.n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [M, n_group]
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_mask = (
+            jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(m)[:, None], keep].set(True)
+        )
+        choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, cfg.top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class Moe(nnx.Module):
+    """Routed experts plus an always-on shared expert (see the module docstring)."""
+
+    def __init__(
+        self, hidden: int, cfg: MoeConfig, ops: Ops, *, dtype: jnp.dtype, rngs: nnx.Rngs | None
+    ) -> None:
+        e, f = cfg.num_experts, cfg.intermediate_size
+        din = cfg.latent_size or hidden
+        self.router = param(rngs, (hidden, e), ("embed", None), jnp.float32, fan_in=hidden)
+        self.router_bias = (
+            param(None, (e,), (None,), jnp.float32, init="zeros")
+            if cfg.router == "sigmoid_group"
+            else None
+        )
+        ax_in, ax_out = (None, None, "expert_mlp"), (None, "expert_mlp", None)
+        self.up = param(rngs, (e, din, f), ax_in, dtype, fan_in=din)
+        self.gate = param(rngs, (e, din, f), ax_in, dtype, fan_in=din) if cfg.gated else None
+        self.down = param(rngs, (e, f, din), ax_out, dtype, fan_in=f)
+        kw = dict(dtype=dtype, rngs=rngs, bias=cfg.bias)
+        if cfg.latent_size:
+            self.fc1_latent = Einsum("md,dl->ml", (hidden, din), ("embed", None), **kw)
+            self.fc2_latent = Einsum("ml,ld->md", (din, hidden), (None, "embed"), **kw)
+        else:
+            self.fc1_latent = self.fc2_latent = None
+        self.shared = (
+            Mlp(
+                hidden,
+                MlpConfig(cfg.shared_intermediate_size, cfg.activation, cfg.gated, cfg.bias),
+                dtype=dtype,
+                rngs=rngs,
+            )
+            if cfg.shared_intermediate_size
+            else None
+        )
+        self.cfg = cfg
+        self.ops = ops
+
+    def __call__(self, u: jax.Array) -> jax.Array:
+        cfg, gmm = self.cfg, self.ops.grouped_matmul
+        shape = u.shape
+        x = u.reshape(-1, shape[-1])  # [M, D]
+        logits = x.astype(jnp.float32) @ self.router[...]
+        bias = None if self.router_bias is None else self.router_bias[...]
+        weights, ids = route(cfg, logits, bias)
+        h = self.fc1_latent(x) if self.fc1_latent is not None else x
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat)
+        token = order // cfg.top_k
+        sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+        hs = h[token]
+        act = gmm(hs, self.up[...], sizes)
+        if self.gate is not None:
+            act = activation(cfg.activation, gmm(hs, self.gate[...], sizes)) * act
+        else:
+            act = activation(cfg.activation, act)
+        out = gmm(act.astype(h.dtype), self.down[...], sizes).astype(jnp.float32)
+        out = out * weights.reshape(-1)[order][:, None]
+        routed = jnp.zeros(h.shape, jnp.float32).at[token].add(out).astype(u.dtype)
+        if self.fc2_latent is not None:
+            routed = self.fc2_latent(routed)
+        if self.shared is not None:
+            routed = routed + self.shared(x)
+        return routed.reshape(shape)

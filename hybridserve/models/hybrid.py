@@ -1,0 +1,138 @@
+"""HybridModel: a decoder assembled from a config's layer pattern.
+
+One class serves nemotron_h, bamba and granitemoehybrid: the families differ only in which
+mixers the pattern holds, whether each block has a second (feed-forward) half, and the scalar
+multipliers, all of which the `ModelConfig` carries.
+
+  h_0 = embed(tokens) * embedding_multiplier
+  h  += residual_multiplier * mixer_i(norm_i(h))          for each block i
+  h  += residual_multiplier * ffn_i(ffn_norm_i(h))        when the family has one
+  logits = lm_head(norm_f(h)) / logits_scaling
+
+The cache is functional: `model(tokens, inputs, caches) -> (hidden, caches)`, one dict per layer
+(empty for stateless layers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from backends.protocol import Ops
+from hybridserve.config import ModelConfig
+from hybridserve.layers.attention import Attention
+from hybridserve.layers.linear import param
+from hybridserve.layers.mamba2 import Mamba2
+from hybridserve.layers.mlp import Mlp
+from hybridserve.layers.moe import Moe
+from hybridserve.layers.norm import RMSNorm
+from hybridserve.layers.step_input import StepInput
+
+Cache = dict[str, jax.Array]
+
+
+class Block(nnx.Module):
+    """One residual block: a mixer (mamba | attention | mlp | moe) and an optional ffn."""
+
+    def __init__(
+        self, cfg: ModelConfig, kind: str, ops: Ops, *, dtype: jnp.dtype, rngs: nnx.Rngs | None
+    ) -> None:
+        d, kw = cfg.hidden_size, dict(dtype=dtype, rngs=rngs)
+        self.kind = kind
+        self.norm = RMSNorm(d, cfg.norm_eps, ops, dtype=dtype)
+        if kind == "mamba":
+            self.mixer = Mamba2(d, cfg.mamba, cfg.norm_eps, ops, **kw)
+        elif kind == "attention":
+            self.mixer = Attention(d, cfg.attention, ops, **kw)
+        elif kind == "mlp":
+            self.mixer = Mlp(d, cfg.mlp, **kw)
+        else:
+            self.mixer = Moe(d, cfg.moe, ops, **kw)
+        self.ffn_norm = RMSNorm(d, cfg.norm_eps, ops, dtype=dtype) if cfg.ffn else None
+        if cfg.ffn == "mlp":
+            self.ffn = Mlp(d, cfg.mlp, **kw)
+        elif cfg.ffn == "moe":
+            self.ffn = Moe(d, cfg.moe, ops, **kw)
+        else:
+            self.ffn = None
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def __call__(self, h: jax.Array, cache: Cache, inputs: StepInput) -> tuple[jax.Array, Cache]:
+        x = self.norm(h)
+        if self.kind in ("mamba", "attention"):
+            x, cache = self.mixer(x, cache, inputs)
+        else:
+            x = self.mixer(x)
+        h = h + self.residual_multiplier * x
+        if self.ffn is not None:
+            h = h + self.residual_multiplier * self.ffn(self.ffn_norm(h))
+        return h, cache
+
+
+class HybridModel(nnx.Module):
+    """The decoder (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ) -> None:
+        self.config = cfg
+        self.embed = param(
+            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype, fan_in=1
+        )
+        self.layers = nnx.List(
+            [Block(cfg, kind, ops, dtype=dtype, rngs=rngs) for kind in cfg.layer_types]
+        )
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+        )
+
+    def __call__(
+        self, tokens: jax.Array, inputs: StepInput, caches: list[Cache]
+    ) -> tuple[jax.Array, list[Cache]]:
+        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated caches)."""
+        h = self.embed[...][tokens] * self.config.embedding_multiplier
+        new_caches = []
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h, cache = layer(h, cache, inputs)
+            new_caches.append(cache)
+        return self.norm_f(h), new_caches
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[..., D] -> [..., V] float32 logits."""
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (hidden @ w).astype(jnp.float32) / self.config.logits_scaling
+
+
+def cache_shapes(
+    cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype
+) -> list[dict[str, jax.ShapeDtypeStruct]]:
+    """Per-layer cache arrays: attention `k`/`v` [slots, S, K, H]; mamba `conv` [slots, C, W-1]
+    and `ssm` [slots, Hs, P, Ns] (float32); nothing for mlp/moe layers."""
+    out: list[dict[str, jax.ShapeDtypeStruct]] = []
+    for kind in cfg.layer_types:
+        if kind == "attention":
+            a = cfg.attention
+            kv = jax.ShapeDtypeStruct((num_slots, max_len, a.num_kv_heads, a.head_dim), dtype)
+            out.append({"k": kv, "v": kv})
+        elif kind == "mamba":
+            m = cfg.mamba
+            out.append(
+                {
+                    "conv": jax.ShapeDtypeStruct((num_slots, m.conv_dim, m.conv_kernel - 1), dtype),
+                    "ssm": jax.ShapeDtypeStruct(
+                        (num_slots, m.num_heads, m.head_dim, m.state_size), jnp.float32
+                    ),
+                }
+            )
+        else:
+            out.append({})
+    return out

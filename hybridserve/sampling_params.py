@@ -1,0 +1,49 @@
+"""SamplingParams: how to pick tokens and when to stop (vLLM-shaped)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping rules for one request.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 turn those filters off. Generation
+    stops at `max_tokens`, at an EOS token (unless `ignore_eos`), at any of `stop_token_ids`, or
+    when the text contains one of the `stop` strings (which is cut off).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (or -1 for off), got {self.top_k}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
+            ),
+            (self.n == 1, f"n > 1 is not supported yet, got n={self.n}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
