@@ -1,0 +1,157 @@
+"""`hybridserve generate | convert`: the command line.
+
+The CLI is the composition root: it may dispatch to the `checkpoints` tooling package, which
+nothing else in the engine imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from hybridserve.api import DEFAULT_MODEL
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL),
+        help="HF directory (nemotron_h, bamba, granitemoehybrid) or a directory made "
+        "by `hybridserve convert` (default: the shipped toy model)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="compute dtype (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--backend",
+        default="xla",
+        choices=["xla", "pallas", "torch"],
+        help="op backend (default: xla, the reference)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="devices to shard the model over"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=2048, help="longest prompt + output in tokens"
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hybridserve.api import LLM
+    from hybridserve.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        progress=True,
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    load_s = time.perf_counter() - start
+    warm_s = 0.0
+    if not args.no_warmup:  # compile the shapes first, so the timings below are steady-state
+        start = time.perf_counter()
+        llm.generate(args.prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        warm_s = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    total_s = time.perf_counter() - start
+    for out in outputs:
+        print(f"--- prompt: {out.prompt!r}")
+        print(f"{out.prompt}{out.outputs[0].text}")
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = [o.metrics.time_to_first_token for o in outputs]
+    decode_s = max(o.metrics.finished_time for o in outputs) - min(
+        o.metrics.first_token_time for o in outputs
+    )
+    decode_tokens = n_out - len(outputs)
+    print("---")
+    print(f"load {load_s:.1f}s, warmup/compile {warm_s:.1f}s")
+    print(
+        f"time to first token: {1000 * sum(ttft) / len(ttft):.1f} ms (mean over "
+        f"{len(outputs)} prompts)"
+    )
+    rate = decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else float("nan")
+    print(f"output tokens: {n_out} in {total_s:.2f}s; decode {rate:.1f} tokens/s")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from checkpoints.convert import main
+
+    return main(args.src, args.dst, args.dtype, args.verify)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridserve", description="Serve hybrid Mamba2 + attention language models with JAX."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for prompts and print timings",
+        description="Generate continuations of PROMPTS with a local model and "
+        "print the text, time to first token and tokens/s.",
+    )
+    gen.add_argument("prompts", nargs="*", default=["def "], help='prompts (default: "def ")')
+    _add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    gen.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the compile warmup (timings then include compilation)",
+    )
+    gen.set_defaults(func=_generate)
+    conv = sub.add_parser(
+        "convert",
+        help="convert an HF checkpoint to our orbax layout",
+        description="Convert a Hugging Face checkpoint (safetensors, one file "
+        "or sharded) to an orbax checkpoint plus our config.",
+    )
+    conv.add_argument("src", help="HF model directory (config.json + *.safetensors)")
+    conv.add_argument("dst", help="output directory (must be new or empty)")
+    conv.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="parameter dtype to store (default: the checkpoint's)",
+    )
+    conv.add_argument(
+        "--verify",
+        action="store_true",
+        help="run the source in transformers beside ours and print the max logit difference",
+    )
+    conv.set_defaults(func=_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as err:
+        print(f"hybridserve {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
