@@ -36,6 +36,8 @@ class LLM:
       max_model_len: longest prompt + output, in tokens.
       max_num_seqs: requests decoded together.
       max_prefill_chunk: prompt tokens processed per step and request (chunked prefill).
+      seed: base seed of requests whose SamplingParams carry none.
+      progress: show a progress bar while loading weights.
     """
 
     def __init__(
@@ -48,7 +50,7 @@ class LLM:
         max_num_seqs: int = 8,
         max_prefill_chunk: int = 256,
         seed: int = 0,
-        progress: bool = False,
+        progress: bool = True,
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(

@@ -102,3 +102,33 @@ def test_tensor_parallel_logits_match_single_device(hf_checkpoint):
         sharded = [v.sharding.spec for v in __import__("jax").tree.leaves(runner.params)]
         assert any("tp" in spec for spec in sharded), "nothing was sharded"
         np.testing.assert_allclose(_full_logits(runner, ids), base, rtol=0, atol=1e-5)
+
+
+def test_default_model_greedy_matches_transformers():
+    """The shipped (trained, bfloat16-stored) model, run in float32 by both."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridserve.api import DEFAULT_MODEL
+
+    llm = LLM(DEFAULT_MODEL, dtype="float32", max_model_len=128)
+    prompt = llm.tokenizer.encode("def read(self, path):\n")
+    ours = (
+        llm.generate(
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.as_tensor(prompt)[None],
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
+    assert ours == ref[0, len(prompt) :].tolist()

@@ -1,0 +1,41 @@
+"""The command line, run as a user would: a subprocess on the shipped default model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hybridserve.api import DEFAULT_MODEL
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hybridserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_default_model_is_small_and_complete():
+    files = {p.name: p.stat().st_size for p in DEFAULT_MODEL.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(files)
+    assert sum(files.values()) < 20 * 2**20
+
+
+def test_generate_prints_text_and_timings():
+    proc = _run("generate", "def ", "class ", "--max-tokens", "24", "--temperature", "0")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.count("--- prompt:") == 2
+    text = out.split("--- prompt: 'def '\n")[1].split("--- prompt:")[0]
+    assert text.startswith("def ") and len(text.strip()) > len("def ") + 10
+    assert "time to first token:" in out and "tokens/s" in out
+
+
+def test_help_and_bad_input():
+    proc = _run("--help")
+    assert proc.returncode == 0 and "generate" in proc.stdout and "convert" in proc.stdout
+    proc = _run("generate", "--model", "/nonexistent")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
