@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +217,3 @@ class LLMEngine:
             finished=True,
             metrics=req.metrics,
         )
-
-    @property
-    def model_dir(self) -> Path:
-        return Path(self.config.model)

@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from hybridserve.config import ModelConfig
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel, cache_shapes
+from hybridserve.parallel import partition_spec
 
 NULL_SLOT = 0
 
@@ -29,13 +30,17 @@ def bucket(n: int, smallest: int = 1) -> int:
     return size
 
 
+# Logical axes of the cache arrays (see hybridserve.parallel): KV heads and ssm heads shard.
+CACHE_AXES = {
+    "k": (None, None, "kv_heads", None),
+    "v": (None, None, "kv_heads", None),
+    "conv": (None, None, None),
+    "ssm": (None, "ssm_heads", None, None),
+}
+
+
 def _cache_sharding(name: str, mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    tp = mesh.shape["tp"]
-    spec: list[str | None] = [None] * len(shape)
-    head_axis = {"k": 2, "v": 2, "ssm": 1}.get(name)
-    if tp > 1 and head_axis is not None and shape[head_axis] % tp == 0:
-        spec[head_axis] = "tp"
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return NamedSharding(mesh, partition_spec(CACHE_AXES[name], shape, mesh.shape["tp"]))
 
 
 class ModelRunner:

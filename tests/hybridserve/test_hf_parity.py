@@ -5,6 +5,7 @@ float32 throughout. Tolerance for logits: 1e-4 of the largest |logit|.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -99,7 +100,7 @@ def test_tensor_parallel_logits_match_single_device(hf_checkpoint):
     base = _full_logits(_runner(directory), ids)
     for tp in (2, 4):
         runner = _runner(directory, tp=tp)
-        sharded = [v.sharding.spec for v in __import__("jax").tree.leaves(runner.params)]
+        sharded = [v.sharding.spec for v in jax.tree.leaves(runner.params)]
         assert any("tp" in spec for spec in sharded), "nothing was sharded"
         np.testing.assert_allclose(_full_logits(runner, ids), base, rtol=0, atol=1e-5)
 
