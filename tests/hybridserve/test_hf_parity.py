@@ -48,28 +48,29 @@ def test_full_forward_logits_match_transformers(hf_checkpoint, family):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * scale)
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid"])
-def test_greedy_tokens_match_transformers_generate(hf_checkpoint, family):
-    directory, hf = hf_checkpoint(family)
-    prompt = _prompt(7, 13)
+def _greedy_pair(directory, hf, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
+    """(our greedy tokens, transformers' greedy tokens), n each, EOS ignored by both."""
     with torch.no_grad():
         ref = hf.generate(
             torch.as_tensor(prompt)[None],
-            max_new_tokens=32,
-            min_new_tokens=32,
+            max_new_tokens=n,
+            min_new_tokens=n,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
         )
-    ref_tokens = ref[0, len(prompt) :].tolist()
-    assert len(set(ref_tokens)) > 3, "weak test: the reference repeats one token"
-    llm = LLM(directory, dtype="float32", max_model_len=64)
-    out = llm.generate(
-        {"prompt_token_ids": prompt.tolist()},
-        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-        use_tqdm=False,
-    )
-    assert out[0].outputs[0].token_ids == ref_tokens
+    llm = LLM(directory, dtype="float32", max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": list(prompt)}, params, use_tqdm=False)
+    return out[0].outputs[0].token_ids, ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid"])
+def test_greedy_tokens_match_transformers_generate(hf_checkpoint, family):
+    directory, hf = hf_checkpoint(family)
+    ours, ref = _greedy_pair(directory, hf, _prompt(7, 13).tolist(), 32)
+    assert len(set(ref)) > 3, "weak test: the reference repeats one token"
+    assert ours == ref
 
 
 @pytest.mark.parametrize("chunk", [5, 7])
@@ -110,26 +111,9 @@ def test_default_model_greedy_matches_transformers():
     from transformers import AutoModelForCausalLM
 
     from hybridserve.api import DEFAULT_MODEL
+    from hybridserve.tokenizer import Tokenizer
 
-    llm = LLM(DEFAULT_MODEL, dtype="float32", max_model_len=128)
-    prompt = llm.tokenizer.encode("def read(self, path):\n")
-    ours = (
-        llm.generate(
-            {"prompt_token_ids": prompt},
-            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-            use_tqdm=False,
-        )[0]
-        .outputs[0]
-        .token_ids
-    )
+    prompt = Tokenizer(DEFAULT_MODEL).encode("def read(self, path):\n")
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.as_tensor(prompt)[None],
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=1,
-        )
-    assert ours == ref[0, len(prompt) :].tolist()
+    ours, ref = _greedy_pair(DEFAULT_MODEL, hf, prompt, 24)
+    assert ours == ref
