@@ -253,3 +253,47 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged cache. `kv_dtype`/`conv_dtype` "auto" follow the model dtype; the ssm state is
+    float32 unless set. `num_pages` fixes the pool size; otherwise `memory_bytes` per rank is
+    split into pages. `block_size` is a lower bound (raised to fit a Mamba state)."""
+
+    kv_dtype: str = "auto"
+    conv_dtype: str = "auto"
+    ssm_dtype: str = "float32"
+    conv_layout: str | None = None  # DS | SD; None: $HYBRIDSERVE_SSM_CONV_LAYOUT or DS
+    kernel_block_size: int = 16
+    block_size: int | None = None
+    num_pages: int | None = None
+    memory_bytes: int = 256 * 2**20
+
+    def __post_init__(self) -> None:
+        _require(self.kernel_block_size > 0, "kernel_block_size must be > 0")
+        _require(self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching. Each step computes at most `max_num_batched_tokens` tokens over at
+    most `max_num_seqs` requests; one request's prefill chunk is at most `max_prefill_chunk`.
+    Prefix caching shares computed prefixes at a granularity of `prefix_unit` tokens (None: the
+    largest divisor of the attention block that is a kernel-block multiple <= 256)."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_prefill_chunk: int = 256
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    prefix_unit: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens must be >= max_num_seqs",
+        )
+        _require(self.max_prefill_chunk >= 1, "max_prefill_chunk must be >= 1")
+        _require(self.max_model_len >= 2, "max_model_len must be >= 2")
