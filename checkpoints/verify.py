@@ -9,21 +9,14 @@ import numpy as np
 
 def our_logits(model_dir: str | Path, token_ids: np.ndarray, dtype: str = "float32") -> np.ndarray:
     """Full-sequence logits [T, V] from our model (one-shot prefill)."""
-    import jax.numpy as jnp
+    from hybridserve.config import CacheConfig
+    from hybridserve.runner.factory import make_runner
 
-    from backends.protocol import load_ops
-    from hybridserve.parallel import make_mesh
-    from hybridserve.runner.model_runner import ModelRunner
-    from hybridserve.weights.loader import load_model
-
-    mesh = make_mesh(1)
-    model, cfg = load_model(model_dir, load_ops("xla"), mesh, dtype, progress=False)
-    runner = ModelRunner(model, cfg, mesh, 2, len(token_ids), jnp.dtype(dtype))
     n = len(token_ids)
-    logits = runner.run(
-        np.array([1]), np.asarray(token_ids)[None], np.array([0]), np.array([n]), last_only=False
+    runner = make_runner(
+        str(model_dir), dtype=dtype, cache=CacheConfig(num_pages=64), max_model_len=max(n, 16)
     )
-    return np.asarray(logits)[0]
+    return np.asarray(runner.sequence_logits([int(t) for t in token_ids]))
 
 
 def verify_against_transformers(

@@ -8,6 +8,7 @@ from flax import nnx
 
 from backends.protocol import Ops
 from hybridserve.config import AttentionConfig
+from hybridserve.layers.cache_view import read_kv, write_kv
 from hybridserve.layers.linear import Einsum
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput
@@ -15,7 +16,8 @@ from hybridserve.layers.step_input import StepInput
 
 class Attention(nnx.Module):
     """`softmax(q k^T * scale + causal mask) v` over the cached and new keys, K kv heads shared
-    by N/K query heads each. Cache per layer: `k`, `v` of shape [slots, S, K, H]."""
+    by N/K query heads each. The KV cache is the layer's region, read and written through the
+    request's block table (see `cache_view`)."""
 
     def __init__(
         self,
@@ -36,25 +38,31 @@ class Attention(nnx.Module):
         self.ops = ops
 
     def __call__(
-        self, x: jax.Array, cache: dict[str, jax.Array], inputs: StepInput
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        self, x: jax.Array, region: jax.Array, inputs: StepInput, layer: int
+    ) -> tuple[jax.Array, jax.Array]:
+        acc = inputs.layout.layers[layer]
+        tp = inputs.layout.tp
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.cfg.rope_theta is not None:
             q = apply_rope(q, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
             k = apply_rope(k, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
-        k_cache, v_cache = cache["k"], cache["v"]
-        # Padding tokens write out of range, where the scatter drops them.
-        write_pos = jnp.where(inputs.valid, inputs.positions, k_cache.shape[1])
-        rows = inputs.slots[:, None]
-        k_cache = k_cache.at[rows, write_pos].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, write_pos].set(v.astype(v_cache.dtype), mode="drop")
+        table = inputs.tables[acc.group]
+        region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
+        k_all, v_all = read_kv(region, acc, tp, table)  # [B, S, K, H]
+        # Keys no query of the row can see may hold another view's bytes: zero them.
+        key = jnp.arange(k_all.shape[1])[None, :]
+        live = key < inputs.kv_lengths[:, None]
+        if self.cfg.sliding_window is not None:
+            live &= key > inputs.positions[:, :1] - self.cfg.sliding_window
+        k_all = jnp.where(live[:, :, None, None], k_all, 0)
+        v_all = jnp.where(live[:, :, None, None], v_all, 0)
         out = self.ops.cached_attention(
             q,
-            k_cache[inputs.slots],
-            v_cache[inputs.slots],
+            k_all.astype(q.dtype),
+            v_all.astype(q.dtype),
             inputs.positions,
             inputs.kv_lengths,
             self.cfg.softmax_scale,
             self.cfg.sliding_window,
         )
-        return self.o_proj(out), {"k": k_cache, "v": v_cache}
+        return self.o_proj(out), region

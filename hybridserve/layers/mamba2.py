@@ -10,8 +10,9 @@ For an input u [B, T, D]:
 Prefill runs the chunked SSD scan from the carried state; one-token decode runs the recurrent
 update. The input projection is kept as five separate kernels so that tensor parallelism can
 shard heads and groups; the checkpoint loader splits HF's fused `in_proj`.
-Cache per layer: `conv` [slots, C, W-1] (DS layout: x rows, then b, then c) and `ssm`
-[slots, Hs, P, Ns] float32.
+The conv states of x, b and c and the ssm state live in the request's state page of the layer's
+region (see `cache_view`); conv weights are kept per x / b / c so that TP shards them with their
+heads and groups.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flax import nnx
 
 from backends.protocol import Ops
 from hybridserve.config import MambaConfig
+from hybridserve.layers.cache_view import read_mamba, write_mamba
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.step_input import StepInput
 
@@ -39,18 +41,32 @@ class Mamba2(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs | None,
     ) -> None:
-        hs, p, g, ns = cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
+        hs, p, g, ns, w = cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size, cfg.conv_kernel
         kw = dict(dtype=dtype, rngs=rngs, bias=cfg.use_bias)
         self.in_z = Einsum("btd,dhp->bthp", (hidden, hs, p), ("embed", "ssm_heads", None), **kw)
         self.in_x = Einsum("btd,dhp->bthp", (hidden, hs, p), ("embed", "ssm_heads", None), **kw)
         self.in_b = Einsum("btd,dgn->btgn", (hidden, g, ns), ("embed", "ssm_groups", None), **kw)
         self.in_c = Einsum("btd,dgn->btgn", (hidden, g, ns), ("embed", "ssm_groups", None), **kw)
         self.in_dt = Einsum("btd,dh->bth", (hidden, hs), ("embed", "ssm_heads"), **kw)
-        self.conv_weight = param(
-            rngs, (cfg.conv_dim, cfg.conv_kernel), (None, None), dtype, fan_in=cfg.conv_kernel
+        # Depthwise conv taps per channel of x, B and C (tap W-1 is the current token).
+        shapes = {
+            "x": ((hs, p), "ssm_heads"),
+            "b": ((g, ns), "ssm_groups"),
+            "c": ((g, ns), "ssm_groups"),
+        }
+        self.conv_weight = nnx.Dict(
+            {
+                k: param(rngs, (*shp, w), (ax, None, None), dtype, fan_in=w)
+                for k, (shp, ax) in shapes.items()
+            }
         )
         self.conv_bias = (
-            param(None, (cfg.conv_dim,), (None,), dtype, init="zeros")
+            nnx.Dict(
+                {
+                    k: param(None, shp, (ax, None), dtype, init="zeros")
+                    for k, (shp, ax) in shapes.items()
+                }
+            )
             if cfg.use_conv_bias
             else None
         )
@@ -64,39 +80,50 @@ class Mamba2(nnx.Module):
         self.ops = ops
 
     def __call__(
-        self, u: jax.Array, cache: dict[str, jax.Array], inputs: StepInput
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        self, u: jax.Array, region: jax.Array, inputs: StepInput, layer: int
+    ) -> tuple[jax.Array, jax.Array]:
         cfg, ops = self.cfg, self.ops
+        acc = inputs.layout.layers[layer]
+        tp = inputs.layout.tp
+        pages = inputs.tables[acc.group]
         bsz, t, _ = u.shape
-        hs, p, g, ns = cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size
-        z, x, b, c = self.in_z(u), self.in_x(u), self.in_b(u), self.in_c(u)
-        xbc = jnp.concatenate(
-            [x.reshape(bsz, t, hs * p), b.reshape(bsz, t, g * ns), c.reshape(bsz, t, g * ns)], -1
-        )
+        hs, p = cfg.num_heads, cfg.head_dim
+        z = self.in_z(u)
+        seqs = {"x": self.in_x(u), "b": self.in_b(u), "c": self.in_c(u)}
         dt = jax.nn.softplus(self.in_dt(u).astype(jnp.float32) + self.dt_bias[...])
         if cfg.dt_min > 0.0 or cfg.dt_max < float("inf"):
             dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        conv_state, ssm_state = cache["conv"][inputs.slots], cache["ssm"][inputs.slots]
-        # A row that starts at position 0 starts from zero state (the slot may be reused).
-        fresh = inputs.positions[:, 0] == 0
-        conv_state = jnp.where(fresh[:, None, None], 0, conv_state)
+        x_st, b_st, c_st, ssm_state = read_mamba(region, acc, tp, pages)
+        fresh = inputs.fresh  # a row at position 0 starts from zero state (the page is reused)
+        states = {
+            k: jnp.where(fresh[:, None, None], 0, st)
+            for k, st in (("x", x_st), ("b", b_st), ("c", c_st))
+        }
         ssm_state = jnp.where(fresh[:, None, None, None], 0, ssm_state)
-        bias = None if self.conv_bias is None else self.conv_bias[...]
+        outs = {}
+        for key, seq in seqs.items():
+            weight = self.conv_weight[key][...]
+            weight = weight.reshape(-1, weight.shape[-1])
+            bias = None if self.conv_bias is None else self.conv_bias[key][...].reshape(-1)
+            flat = seq.reshape(bsz, t, -1)
+            if t == 1:
+                y, states[key] = ops.causal_conv1d_step(
+                    flat[:, 0], states[key].astype(flat.dtype), weight, bias, "silu"
+                )
+                y = y[:, None]
+            else:
+                y, states[key] = ops.causal_conv1d(
+                    flat, states[key].astype(flat.dtype), weight, bias, inputs.lengths, "silu"
+                )
+            outs[key] = y.reshape(seq.shape)
+        xs, bs, cs = outs["x"], outs["b"], outs["c"]
         if t == 1:
-            xbc1, conv_state = ops.causal_conv1d_step(
-                xbc[:, 0], conv_state, self.conv_weight[...], bias, "silu"
-            )
-            xs, bs, cs = self._split(xbc1[:, None])
             y, ssm_state = ops.mamba2_step(
                 ssm_state, xs[:, 0], dt[:, 0], a, bs[:, 0], cs[:, 0], self.D[...]
             )
             y = y[:, None]
         else:
-            xbc, conv_state = ops.causal_conv1d(
-                xbc, conv_state, self.conv_weight[...], bias, inputs.lengths, "silu"
-            )
-            xs, bs, cs = self._split(xbc)
             valid = inputs.valid
             # Padding tokens get dt = 0 and x = 0: the state passes through them unchanged.
             xs = jnp.where(valid[:, :, None, None], xs, 0)
@@ -109,20 +136,10 @@ class Mamba2(nnx.Module):
             z.reshape(bsz, t, hs * p),
             self.norm_weight[...],
             self.eps,
-            cfg.intermediate_size // g,
+            cfg.intermediate_size // cfg.n_groups,
         )
         out = self.out_proj(y.reshape(bsz, t, hs, p).astype(u.dtype))
-        new_cache = {
-            "conv": cache["conv"].at[inputs.slots].set(conv_state.astype(cache["conv"].dtype)),
-            "ssm": cache["ssm"].at[inputs.slots].set(ssm_state.astype(cache["ssm"].dtype)),
-        }
-        return out, new_cache
-
-    def _split(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        cfg = self.cfg
-        bsz, t, _ = xbc.shape
-        i, gn = cfg.intermediate_size, cfg.n_groups * cfg.state_size
-        xs = xbc[..., :i].reshape(bsz, t, cfg.num_heads, cfg.head_dim)
-        bs = xbc[..., i : i + gn].reshape(bsz, t, cfg.n_groups, cfg.state_size)
-        cs = xbc[..., i + gn :].reshape(bsz, t, cfg.n_groups, cfg.state_size)
-        return xs, bs, cs
+        region = write_mamba(
+            region, acc, tp, pages, states["x"], states["b"], states["c"], ssm_state
+        )
+        return out, region

@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from hybridserve.layers.cache_view import CacheLayout
 
-@jax.tree_util.register_dataclass
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["positions", "lengths", "tables"],
+    meta_fields=["layout"],
+)
 @dataclasses.dataclass(frozen=True)
 class StepInput:
     """Where each batch row's tokens go. Rows are right-padded to a common T.
 
-    slots:     [B] int32, the cache slot of each row (slot 0 is the null slot for padding rows).
     positions: [B, T] int32, absolute position of each token (start + t).
-    lengths:   [B] int32, valid tokens in each row.
+    lengths:   [B] int32, valid tokens in each row (0 for padding rows).
+    tables:    one array per cache group: attention groups [B, nblk] kernel block ids, Mamba
+               groups [B] state pages (padding rows point at the null page 0).
+    layout:    the static cache layout.
     """
 
-    slots: jax.Array
     positions: jax.Array
     lengths: jax.Array
+    tables: tuple[jax.Array, ...]
+    layout: CacheLayout
 
     @property
     def valid(self) -> jax.Array:
@@ -32,3 +42,8 @@ class StepInput:
     def kv_lengths(self) -> jax.Array:
         """[B] int32: tokens in the cache once this step's tokens are written."""
         return self.positions[:, 0] + self.lengths
+
+    @property
+    def fresh(self) -> jax.Array:
+        """[B] bool: the row starts at position 0 (its recurrent state starts from zero)."""
+        return self.positions[:, 0] == 0

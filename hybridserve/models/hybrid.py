@@ -9,8 +9,9 @@ multipliers, all of which the `ModelConfig` carries.
   h  += residual_multiplier * ffn_i(ffn_norm_i(h))        when the family has one
   logits = lm_head(norm_f(h)) / logits_scaling
 
-The cache is functional: `model(tokens, inputs, caches) -> (hidden, caches)`, one dict per layer
-(empty for stateless layers).
+The cache is functional: `model(tokens, inputs, regions) -> (hidden, regions)`, where regions
+are the raw buffers of the paged hybrid cache (see `hybridserve.layers.cache_view`); each
+cached layer reads and writes its own region through the static layout in `inputs`.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ from hybridserve.layers.moe import Moe
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.step_input import StepInput
 
-Cache = dict[str, jax.Array]
-
 
 class Block(nnx.Module):
     """One residual block: a mixer (mamba | attention | mlp | moe) and an optional ffn."""
 
     def __init__(
-        self, cfg: ModelConfig, kind: str, ops: Ops, *, dtype: jnp.dtype, rngs: nnx.Rngs | None
+        self, cfg: ModelConfig, index: int, ops: Ops, *, dtype: jnp.dtype, rngs: nnx.Rngs | None
     ) -> None:
         d, kw = cfg.hidden_size, dict(dtype=dtype, rngs=rngs)
-        self.kind = kind
+        kind = cfg.layer_types[index]
+        self.index, self.kind = index, kind
         self.norm = RMSNorm(d, cfg.norm_eps, ops, dtype=dtype)
         if kind == "mamba":
             self.mixer = Mamba2(d, cfg.mamba, cfg.norm_eps, ops, **kw)
@@ -58,16 +58,18 @@ class Block(nnx.Module):
             self.ffn = None
         self.residual_multiplier = cfg.residual_multiplier
 
-    def __call__(self, h: jax.Array, cache: Cache, inputs: StepInput) -> tuple[jax.Array, Cache]:
+    def __call__(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
+        """Replaces this layer's region in `regions` (a Python list) when the mixer is cached."""
         x = self.norm(h)
         if self.kind in ("mamba", "attention"):
-            x, cache = self.mixer(x, cache, inputs)
+            r = inputs.layout.layers[self.index].region
+            x, regions[r] = self.mixer(x, regions[r], inputs, self.index)
         else:
             x = self.mixer(x)
         h = h + self.residual_multiplier * x
         if self.ffn is not None:
             h = h + self.residual_multiplier * self.ffn(self.ffn_norm(h))
-        return h, cache
+        return h
 
 
 class HybridModel(nnx.Module):
@@ -86,7 +88,7 @@ class HybridModel(nnx.Module):
             rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype, fan_in=1
         )
         self.layers = nnx.List(
-            [Block(cfg, kind, ops, dtype=dtype, rngs=rngs) for kind in cfg.layer_types]
+            [Block(cfg, i, ops, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops, dtype=dtype)
         self.lm_head = (
@@ -96,43 +98,16 @@ class HybridModel(nnx.Module):
         )
 
     def __call__(
-        self, tokens: jax.Array, inputs: StepInput, caches: list[Cache]
-    ) -> tuple[jax.Array, list[Cache]]:
-        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated caches)."""
+        self, tokens: jax.Array, inputs: StepInput, regions: list[jax.Array]
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated regions)."""
         h = self.embed[...][tokens] * self.config.embedding_multiplier
-        new_caches = []
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h, cache = layer(h, cache, inputs)
-            new_caches.append(cache)
-        return self.norm_f(h), new_caches
+        regions = list(regions)
+        for layer in self.layers:
+            h = layer(h, regions, inputs)
+        return self.norm_f(h), regions
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> [..., V] float32 logits."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (hidden @ w).astype(jnp.float32) / self.config.logits_scaling
-
-
-def cache_shapes(
-    cfg: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype
-) -> list[dict[str, jax.ShapeDtypeStruct]]:
-    """Per-layer cache arrays: attention `k`/`v` [slots, S, K, H]; mamba `conv` [slots, C, W-1]
-    and `ssm` [slots, Hs, P, Ns] (float32); nothing for mlp/moe layers."""
-    out: list[dict[str, jax.ShapeDtypeStruct]] = []
-    for kind in cfg.layer_types:
-        if kind == "attention":
-            a = cfg.attention
-            kv = jax.ShapeDtypeStruct((num_slots, max_len, a.num_kv_heads, a.head_dim), dtype)
-            out.append({"k": kv, "v": kv})
-        elif kind == "mamba":
-            m = cfg.mamba
-            out.append(
-                {
-                    "conv": jax.ShapeDtypeStruct((num_slots, m.conv_dim, m.conv_kernel - 1), dtype),
-                    "ssm": jax.ShapeDtypeStruct(
-                        (num_slots, m.num_heads, m.head_dim, m.state_size), jnp.float32
-                    ),
-                }
-            )
-        else:
-            out.append({})
-    return out

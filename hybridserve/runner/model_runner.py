@@ -1,130 +1,202 @@
-"""The device side of generation: parameters, per-slot caches and the jitted forward step.
+"""The device side: parameters, the cache regions, and the jitted forward step.
 
-Shapes are bucketed (powers of two) so that a handful of programs are compiled and reused:
-prefill rows are padded to a token bucket, decode batches to a row bucket whose extra rows
-point at the null slot 0. The cache arrays are donated to every step, so they are updated in
-place and keep their device buffers for the life of the runner.
+Lifecycle:
+  1. `ModelRunner(...)` allocates every region once: uint8 `[tp, num_pages, page_bytes]`,
+     sharded so that each rank owns its pages. Every layer's cache is a typed view of its region.
+  2. `execute(scheduler_output)` applies the page copies (prefix-cache restores, Mamba
+     snapshots), then runs the decode rows (one token each) and the prefill rows (padded chunks)
+     as separate bucketed programs, and returns the logits of the rows that sample.
+  3. Every program takes the regions donated and returns them updated, so their device buffers
+     (and addresses, which NIXL registers) stay the same for the life of the runner.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.config import ModelConfig
+from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec
+from hybridserve.layers.cache_view import (
+    AttentionAccess,
+    CacheLayout,
+    MambaAccess,
+    apply_page_copies,
+)
 from hybridserve.layers.step_input import StepInput
-from hybridserve.models.hybrid import HybridModel, cache_shapes
-from hybridserve.parallel import partition_spec
+from hybridserve.models.hybrid import HybridModel
+from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch
 
-NULL_SLOT = 0
-
-
-def bucket(n: int, smallest: int = 1) -> int:
-    """The smallest power of two >= max(n, smallest)."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
+DTYPE_NAMES = {"fp8": "float8_e4m3fn"}
 
 
-# Logical axes of the cache arrays (see hybridserve.parallel): KV heads and ssm heads shard.
-CACHE_AXES = {
-    "k": (None, None, "kv_heads", None),
-    "v": (None, None, "kv_heads", None),
-    "conv": (None, None, None),
-    "ssm": (None, "ssm_heads", None, None),
-}
+def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
+    """Per-layer access facts (region, group, local shapes, dtypes) from the cache plan."""
+    access: list[AttentionAccess | MambaAccess | None] = [None] * cfg.num_layers
+    for g, group in enumerate(plan.groups):
+        spec = group.spec
+        for region, layer in enumerate(group.layers):
+            if layer is None:
+                continue
+            if isinstance(spec, MambaSpec):
+                m = cfg.mamba
+                access[layer] = MambaAccess(
+                    region,
+                    g,
+                    spec.x_dim,
+                    spec.bc_dim,
+                    m.n_groups,
+                    m.state_size,
+                    spec.conv_rows,
+                    DTYPE_NAMES.get(spec.conv_dtype, spec.conv_dtype),
+                    spec.ssm_shape,
+                    spec.ssm_dtype,
+                    spec.layout,
+                )
+            elif isinstance(spec, FullAttentionSpec):
+                a = cfg.attention
+                access[layer] = AttentionAccess(
+                    region,
+                    g,
+                    a.num_kv_heads,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    DTYPE_NAMES.get(spec.dtype, spec.dtype),
+                    plan.kernel_block_size,
+                    getattr(spec, "sliding_window", None),
+                )
+            else:
+                raise NotImplementedError(f"no runner support for {type(spec).__name__} yet")
+    return CacheLayout(tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes)
 
 
-def _cache_sharding(name: str, mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(CACHE_AXES[name], shape, mesh.shape["tp"]))
+@dataclasses.dataclass
+class StepLogits:
+    """Logits [n, V] (float32, on device) of the chunks that sample, in `req_ids` order."""
+
+    req_ids: list[str]
+    logits: jax.Array | None
 
 
 class ModelRunner:
-    """Runs prefill chunks and decode steps of `model` over `num_slots` cache slots.
-
-    Slot 0 is the null slot (padding rows write there); requests use slots 1..num_slots-1.
-    """
+    """Runs scheduled steps of `model` over the paged hybrid cache (see the module docstring)."""
 
     def __init__(
         self,
         model: HybridModel,
         cfg: ModelConfig,
+        plan: CachePlan,
         mesh: Mesh,
-        num_slots: int,
+        num_pages: int,
         max_model_len: int,
-        cache_dtype: jnp.dtype,
+        max_prefill_tokens: int = 256,
     ) -> None:
-        self.cfg, self.mesh = cfg, mesh
-        self.num_slots, self.max_model_len = num_slots, max_model_len
+        if plan.tensor_parallel_size != mesh.shape["tp"]:
+            raise ValueError("the cache plan and the mesh disagree on the TP size")
+        self.cfg, self.plan, self.mesh = cfg, plan, mesh
+        self.num_pages, self.max_model_len = num_pages, max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.layout = build_layout(cfg, plan)
         self.graphdef, self.params = nnx.split(model)
-        shapes = cache_shapes(cfg, num_slots, max_model_len, cache_dtype)
-        self.caches = [
-            {
-                k: jnp.zeros(s.shape, s.dtype, device=_cache_sharding(k, mesh, s.shape))
-                for k, s in layer.items()
-            }
-            for layer in shapes
+        tp = plan.tensor_parallel_size
+        sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
+        shape = (tp, num_pages, plan.page_size_bytes)
+        self.regions = [
+            jnp.zeros(shape, jnp.uint8, device=sharding) for _ in range(plan.num_regions)
         ]
         self._step = jax.jit(self._forward, donate_argnums=(1,), static_argnames=("last_only",))
+        self._copy = jax.jit(apply_page_copies, donate_argnums=(0,))
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of all regions over all ranks."""
+        return sum(r.size for r in self.regions)
 
     def _forward(
-        self, params: nnx.State, caches: list, tokens: jax.Array, inputs: StepInput, last_only: bool
+        self,
+        params: nnx.State,
+        regions: list,
+        tokens: jax.Array,
+        inputs: StepInput,
+        last_only: bool,
     ) -> tuple[jax.Array, list]:
         model = nnx.merge(self.graphdef, params)
-        hidden, caches = model(tokens, inputs, caches)
+        hidden, regions = model(tokens, inputs, regions)
         if last_only:
             rows = jnp.arange(hidden.shape[0])
             hidden = hidden[rows, jnp.maximum(inputs.lengths - 1, 0)]
-        return model.logits(hidden), caches
+        return model.logits(hidden), regions
 
-    def run(
-        self,
-        slots: np.ndarray,
-        tokens: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        last_only: bool = True,
-    ) -> jax.Array:
-        """One forward step over rows of tokens [B, T] (right-padded) at `starts` positions.
+    def copy_pages(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
+        """Apply whole-page copies (src, dst) in every region."""
+        if not copies:
+            return
+        arr = np.zeros((bucket(len(copies)), 2), np.int32)
+        arr[: len(copies)] = copies
+        self.regions = self._copy(self.regions, jnp.asarray(arr))
 
-        Returns float32 logits: [B, V] for each row's last valid token, or [B, T, V].
-        """
-        b, t = tokens.shape
-        positions = starts[:, None] + np.arange(t)[None, :]
+    def run(self, batch: BatchArrays, last_only: bool = True) -> jax.Array:
+        """One forward call; logits [rows, V] of each row's last token (or [rows, T, V])."""
         inputs = StepInput(
-            slots=jnp.asarray(slots, jnp.int32),
-            positions=jnp.asarray(positions, jnp.int32),
-            lengths=jnp.asarray(lengths, jnp.int32),
+            positions=jnp.asarray(batch.positions),
+            lengths=jnp.asarray(batch.lengths),
+            tables=tuple(jnp.asarray(t) for t in batch.tables),
+            layout=self.layout,
         )
-        logits, self.caches = self._step(
-            self.params, self.caches, jnp.asarray(tokens, jnp.int32), inputs, last_only=last_only
+        logits, self.regions = self._step(
+            self.params, self.regions, jnp.asarray(batch.tokens), inputs, last_only=last_only
         )
-        return logits
+        return logits[: batch.num_rows]
 
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> jax.Array:
-        """Run a chunk of one request's prompt from position `start`; logits [V] of its last
-        token."""
-        n = len(token_ids)
-        if start + n > self.max_model_len:
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        """Run one scheduled step; return the logits of the chunks that sample."""
+        self.copy_pages(out.page_copies)
+        decode = [c for c in out.chunks if len(c.token_ids) == 1]
+        prefill = [c for c in out.chunks if len(c.token_ids) > 1]
+        got: dict[str, jax.Array] = {}
+        for chunks, min_tokens in ((decode, 1), (prefill, 16)):
+            if not chunks:
+                continue
+            logits = self.run(build_batch(chunks, self.plan, self.max_model_len, min_tokens))
+            for i, c in enumerate(chunks):
+                if c.sample:
+                    got[c.req_id] = logits[i]
+        order = [c.req_id for c in out.chunks if c.sample]
+        return StepLogits(order, jnp.stack([got[r] for r in order]) if order else None)
+
+    def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
+        """All-position logits [T, V] of one chunk (for checks and verification)."""
+        return self.run(build_batch([chunk], self.plan, self.max_model_len, 16), last_only=False)[
+            0, : len(chunk.token_ids)
+        ]
+
+    def region_addresses(self) -> list[list[int]]:
+        """Device addresses of every region's shards (constant for the runner's life)."""
+        return [
+            [s.data.unsafe_buffer_pointer() for s in r.addressable_shards] for r in self.regions
+        ]
+
+    def scratch_tables(self, num_tokens: int, first_page: int = 1) -> tuple[tuple[int, ...], ...]:
+        """Block tables for one sequence of `num_tokens` on consecutive pages from `first_page`,
+        bypassing the scheduler (for checks and verification only)."""
+        tables, page = [], first_page
+        for group in self.plan.groups:
+            n = 1 if group.kind == "mamba" else -(-num_tokens // self.plan.block_size)
+            tables.append(tuple(range(page, page + n)))
+            page += n
+        if page > self.num_pages:
             raise ValueError(
-                f"sequence of {start + n} tokens exceeds max_model_len {self.max_model_len}"
+                f"{num_tokens} tokens need {page} pages; the pool has {self.num_pages}"
             )
-        t = bucket(n, 16)
-        tokens = np.zeros((1, t), np.int32)
-        tokens[0, :n] = token_ids
-        return self.run(np.array([slot]), tokens, np.array([start]), np.array([n]))[0]
+        return tuple(tables)
 
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> jax.Array:
-        """One token for each of `slots`; logits [len(slots), V]."""
-        n = len(slots)
-        b = bucket(n)
-        pad = b - n
-        rows = np.array(list(slots) + [NULL_SLOT] * pad)
-        tokens = np.array(list(token_ids) + [0] * pad)[:, None]
-        starts = np.array(list(positions) + [0] * pad)
-        lengths = np.array([1] * n + [0] * pad)
-        return self.run(rows, tokens, starts, lengths)[:n]
+    def sequence_logits(self, token_ids: list[int]) -> jax.Array:
+        """All-position logits [T, V] of one sequence computed from scratch."""
+        tables = self.scratch_tables(len(token_ids))
+        return self.prompt_logits(ScheduledChunk("scratch", tuple(token_ids), 0, tables, True))

@@ -46,9 +46,13 @@ def rows(start: int, stop: int, transpose: bool = True) -> Hook:
     return hook
 
 
-def conv(arrs: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-    """Conv1d weight [C, 1, W] -> [C, W]."""
-    return arrs[0][:, 0, :].reshape(shape)
+def conv_rows(start: int, stop: int) -> Hook:
+    """Channels [start, stop) of a conv1d weight [C, 1, W] -> [channels..., W]."""
+
+    def hook(arrs: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        return arrs[0][start:stop, 0, :].reshape(shape)
+
+    return hook
 
 
 def stack_linear(arrs: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -85,9 +89,10 @@ def _mamba(table: dict, cfg: ModelConfig, ours: str, hf: str) -> None:
         table[f"{ours}.{name}.kernel"] = [Source((f"{hf}.in_proj.weight",), rows(a, b))]
         if m.use_bias:
             table[f"{ours}.{name}.bias"] = [Source((f"{hf}.in_proj.bias",), rows(a, b))]
-    table[f"{ours}.conv_weight"] = [Source((f"{hf}.conv1d.weight",), conv)]
-    if m.use_conv_bias:
-        table[f"{ours}.conv_bias"] = [Source((f"{hf}.conv1d.bias",), same)]
+    for name, (a, b) in {"x": (0, i), "b": (i, i + gn), "c": (i + gn, i + 2 * gn)}.items():
+        table[f"{ours}.conv_weight.{name}"] = [Source((f"{hf}.conv1d.weight",), conv_rows(a, b))]
+        if m.use_conv_bias:
+            table[f"{ours}.conv_bias.{name}"] = [Source((f"{hf}.conv1d.bias",), rows(a, b))]
     for name in ("dt_bias", "A_log", "D"):
         table[f"{ours}.{name}"] = [Source((f"{hf}.{name}",), same)]
     table[f"{ours}.norm_weight"] = [Source((f"{hf}.norm.weight",), same)]

@@ -6,16 +6,14 @@ float32 throughout. Tolerance for logits: 1e-4 of the largest |logit|.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from backends.protocol import load_ops
 from hybridserve import LLM, SamplingParams
-from hybridserve.parallel import make_mesh
-from hybridserve.runner.model_runner import ModelRunner
-from hybridserve.weights.loader import load_model
+from hybridserve.config import CacheConfig
+from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.runner.factory import make_runner
 
 FAMILIES = ["nemotron_h", "nemotron_h_latent", "bamba", "granitemoehybrid", "granitemoehybrid_rope"]
 PROMPT_LEN = 21  # two full Mamba chunks of 8 plus a partial one
@@ -25,15 +23,14 @@ def _prompt(seed: int = 1234, n: int = PROMPT_LEN) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, 512, size=n)
 
 
-def _runner(directory, num_slots: int = 3, tp: int = 1) -> ModelRunner:
-    mesh = make_mesh(tp)
-    model, cfg = load_model(directory, load_ops("xla"), mesh, "float32", progress=False)
-    return ModelRunner(model, cfg, mesh, num_slots, 64, jnp.float32)
+def _runner(directory, tp: int = 1):
+    return make_runner(
+        str(directory), dtype="float32", tp=tp, cache=CacheConfig(num_pages=64), max_model_len=64
+    )
 
 
-def _full_logits(runner: ModelRunner, ids: np.ndarray) -> np.ndarray:
-    out = runner.run(np.array([1]), ids[None], np.array([0]), np.array([len(ids)]), False)
-    return np.asarray(out)[0]
+def _full_logits(runner, ids: np.ndarray) -> np.ndarray:
+    return np.asarray(runner.sequence_logits(ids.tolist()))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,23 +73,29 @@ def test_greedy_tokens_match_transformers_generate(hf_checkpoint, family):
 @pytest.mark.parametrize("chunk", [5, 7])
 @pytest.mark.parametrize("family", ["nemotron_h", "bamba"])
 def test_chunked_prefill_equals_one_shot(hf_checkpoint, family, chunk):
+    """Chunks of 5 or 7 tokens cross the Mamba chunk (8) and page boundaries."""
     directory, _ = hf_checkpoint(family)
-    ids = _prompt()
+    ids = _prompt().tolist()
     runner = _runner(directory)
-    one_shot = np.asarray(runner.prefill(1, ids.tolist(), 0))
+    one = runner.scratch_tables(len(ids) + 1, first_page=1)
+    two = runner.scratch_tables(len(ids) + 1, first_page=1 + sum(len(t) for t in one))
+
+    def step(*chunks):
+        return np.asarray(runner.execute(SchedulerOutput(tuple(chunks))).logits)
+
+    one_shot = step(ScheduledChunk("one", tuple(ids), 0, one, True))[0]
     for start in range(0, len(ids), chunk):
-        chunked = np.asarray(runner.prefill(2, ids[start : start + chunk].tolist(), start))
-    np.testing.assert_allclose(chunked, one_shot, rtol=0, atol=1e-5 * np.abs(one_shot).max())
-    for layer in runner.caches:  # the carried states agree too
-        for name, arr in layer.items():
-            a, b = np.asarray(arr[1]), np.asarray(arr[2])
-            if name in ("k", "v"):
-                a, b = a[: len(ids)], b[: len(ids)]
-            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(np.abs(a).max(), 1e-6))
-    # And the next decode step continues identically from either slot.
-    nxt = int(np.argmax(one_shot))
-    step = np.asarray(runner.decode([1, 2], [nxt, nxt], [len(ids), len(ids)]))
-    np.testing.assert_allclose(step[1], step[0], rtol=0, atol=1e-5 * np.abs(step[0]).max())
+        piece = tuple(ids[start : start + chunk])
+        chunked = step(ScheduledChunk("two", piece, start, two, start + chunk >= len(ids)))
+    scale = np.abs(one_shot).max()
+    np.testing.assert_allclose(chunked[0], one_shot, rtol=0, atol=1e-5 * scale)
+    # The carried conv, ssm and KV states agree too: the next decode step is the same.
+    nxt = (int(np.argmax(one_shot)),)
+    both = step(
+        ScheduledChunk("one", nxt, len(ids), one, True),
+        ScheduledChunk("two", nxt, len(ids), two, True),
+    )
+    np.testing.assert_allclose(both[1], both[0], rtol=0, atol=1e-5 * np.abs(both[0]).max())
 
 
 def test_tensor_parallel_logits_match_single_device(hf_checkpoint):
@@ -102,6 +105,7 @@ def test_tensor_parallel_logits_match_single_device(hf_checkpoint):
     for tp in (2, 4):
         runner = _runner(directory, tp=tp)
         sharded = [v.sharding.spec for v in jax.tree.leaves(runner.params)]
+        assert runner.regions[0].sharding.spec[0] == "tp"
         assert any("tp" in spec for spec in sharded), "nothing was sharded"
         np.testing.assert_allclose(_full_logits(runner, ids), base, rtol=0, atol=1e-5)
 

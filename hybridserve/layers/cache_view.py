@@ -1,0 +1,231 @@
+"""Typed views of the raw cache regions.
+
+A region is one uint8 buffer `[tp, num_pages, page_bytes]` (sharded over "tp" on axis 0: each
+rank owns the bytes of its own pages). Every layer reads and writes its cache through a typed
+view of its region: the attention view and the Mamba view of one page are the same bytes.
+
+Page layouts (per rank, `kb` = kernel block, `ratio` kernel blocks per page):
+  attention: `ratio` kernel pages, each `[K (kb tokens) | V (kb tokens)]`, a token's K (or V)
+             being `[kv_heads_local, head_dim]`. Row r of the view `[pages*ratio*2*kb, ...]`
+             holds one token's K or V: `r = (kernel_block * 2 + kv) * kb + slot`.
+  mamba:     `[conv x | conv B | conv C | ssm | padding]` in the DS layout (each of x, B, C is
+             `[channels_local, W-1]`), or `[conv (W-1, conv_dim_local) | ssm | padding]` in SD.
+
+Global arrays (what the model computes with) split their sharded axis as `[tp, local]`; heads or
+groups fewer than tp are duplicated so that each rank holds one (`dup` copies of each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionAccess:
+    """Where one attention layer's KV lives."""
+
+    region: int
+    group: int
+    kv_heads: int  # global KV heads of the model
+    kv_heads_local: int  # per rank, after duplication
+    head_dim: int
+    dtype: str
+    kernel_block: int
+    sliding_window: int | None = None
+
+    def dup(self, tp: int) -> int:
+        return self.kv_heads_local * tp // self.kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaAccess:
+    """Where one Mamba layer's conv and ssm states live inside its state page."""
+
+    region: int
+    group: int
+    x_dim: int  # local
+    bc_dim: int  # local
+    n_groups: int  # global B/C groups of the model
+    state_size: int
+    rows: int  # W - 1
+    conv_dtype: str
+    ssm_shape: tuple[int, int, int]  # local (heads, head_dim, state)
+    ssm_dtype: str
+    layout: str
+
+    def group_dup(self, tp: int) -> int:
+        return self.bc_dim // self.state_size * tp // self.n_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Static cache facts for one engine: per-layer access (None for cacheless layers)."""
+
+    layers: tuple[AttentionAccess | MambaAccess | None, ...]
+    tp: int
+    ratio: int
+    page_bytes: int
+
+
+def split_tp(x: jax.Array, axis: int, tp: int) -> jax.Array:
+    """Global -> per-rank: axis `axis` of size tp*n becomes n, with a new leading tp axis."""
+    shape = list(x.shape)
+    x = x.reshape(*shape[:axis], tp, shape[axis] // tp, *shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def merge_tp(x: jax.Array, axis: int) -> jax.Array:
+    """Per-rank -> global: the leading tp axis merges into axis `axis` (of x without tp)."""
+    x = jnp.moveaxis(x, 0, axis)
+    shape = list(x.shape)
+    return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+
+
+def to_raw(x: jax.Array, dtype: str, n_lead: int) -> jax.Array:
+    """[tp, *lead, *shape] -> uint8 [tp, *lead, nbytes]."""
+    raw = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint8)
+    return raw.reshape(*x.shape[: 1 + n_lead], -1)
+
+
+def from_raw(raw: jax.Array, dtype: str, shape: tuple[int, ...]) -> jax.Array:
+    """uint8 [tp, *lead, nbytes] -> [tp, *lead, *shape] of dtype."""
+    size = jnp.dtype(dtype).itemsize
+    lead = raw.shape[:-1]
+    if size > 1:
+        raw = raw.reshape(*lead, -1, size)
+    return jax.lax.bitcast_convert_type(raw, jnp.dtype(dtype)).reshape(*lead, *shape)
+
+
+def duplicate(x: jax.Array, axis: int, dup: int) -> jax.Array:
+    """Repeat each entry of `axis` `dup` times (heads/groups fewer than tp)."""
+    return x if dup == 1 else jnp.repeat(x, dup, axis=axis)
+
+
+def undup(x: jax.Array, axis: int, dup: int) -> jax.Array:
+    """Keep the first of each run of `dup` duplicates along `axis`."""
+    if dup == 1:
+        return x
+    shape = list(x.shape)
+    x = x.reshape(*shape[:axis], shape[axis] // dup, dup, *shape[axis + 1 :])
+    return jnp.take(x, 0, axis=axis + 1)
+
+
+def apply_page_copies(regions: list[jax.Array], copies: jax.Array) -> list[jax.Array]:
+    """Copy whole pages `copies[:, 0] -> copies[:, 1]` in every region (padding: 0 -> 0)."""
+    src, dst = copies[:, 0], copies[:, 1]
+    return [r.at[:, dst].set(r[:, src]) for r in regions]
+
+
+def write_kv(
+    region: jax.Array,
+    acc: AttentionAccess,
+    tp: int,
+    table: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+) -> jax.Array:
+    """Write new tokens' K and V ([B, T, K, H]) at their positions through the block table
+    ([B, nblk] kernel block ids); padding tokens go to row 0 of the null page."""
+    kb = acc.kernel_block
+    rows_view = region.reshape(
+        tp, -1, acc.kv_heads_local * acc.head_dim * jnp.dtype(acc.dtype).itemsize
+    )
+    idx = jnp.clip(positions // kb, 0, table.shape[1] - 1)
+    kid = jnp.take_along_axis(table, idx, axis=1)
+    base = kid * 2 * kb + positions % kb
+    k_rows = jnp.where(valid, base, 0)
+    v_rows = jnp.where(valid, base + kb, 0)
+    dup = acc.dup(tp)
+    for rows, val in ((k_rows, k), (v_rows, v)):
+        per_rank = split_tp(duplicate(val, 2, dup), 2, tp)  # [tp, B, T, K_loc, H]
+        rows_view = rows_view.at[:, rows].set(to_raw(per_rank, acc.dtype, 2))
+    return rows_view.reshape(region.shape)
+
+
+def read_kv(
+    region: jax.Array, acc: AttentionAccess, tp: int, table: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """K and V of every block in `table` ([B, nblk]) as [B, nblk*kb, K, H] each."""
+    kb = acc.kernel_block
+    rows_view = region.reshape(
+        tp, -1, acc.kv_heads_local * acc.head_dim * jnp.dtype(acc.dtype).itemsize
+    )
+    base = table[:, :, None] * 2 * kb + jnp.arange(kb)[None, None, :]  # [B, nblk, kb]
+    out = []
+    for rows in (base, base + kb):
+        typed = from_raw(rows_view[:, rows], acc.dtype, (acc.kv_heads_local, acc.head_dim))
+        full = merge_tp(typed, 3)  # [B, nblk, kb, K*dup, H]
+        full = undup(full, 3, acc.dup(tp))
+        out.append(full.reshape(full.shape[0], -1, *full.shape[3:]))
+    return out[0], out[1]
+
+
+def read_mamba(
+    region: jax.Array, acc: MambaAccess, tp: int, pages: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages."""
+    raw = region[:, pages]  # [tp, B, page_bytes]
+    n = jnp.dtype(acc.conv_dtype).itemsize * acc.rows
+    xb, bb = acc.x_dim * n, acc.bc_dim * n
+    cb = xb + 2 * bb
+    if acc.layout == "DS":
+        parts = [
+            from_raw(raw[..., a : a + size], acc.conv_dtype, (dim, acc.rows))
+            for a, size, dim in (
+                (0, xb, acc.x_dim),
+                (xb, bb, acc.bc_dim),
+                (xb + bb, bb, acc.bc_dim),
+            )
+        ]
+    else:
+        conv = from_raw(raw[..., :cb], acc.conv_dtype, (acc.rows, acc.x_dim + 2 * acc.bc_dim))
+        splits = (acc.x_dim, acc.x_dim + acc.bc_dim)
+        parts = [jnp.swapaxes(p, -1, -2) for p in jnp.split(conv, splits, axis=-1)]
+    x, b, c = (merge_tp(p, 1) for p in parts)  # [B, channels, W-1]
+    dup = acc.group_dup(tp)
+    b, c = (
+        undup(m.reshape(m.shape[0], -1, acc.state_size, acc.rows), 1, dup).reshape(
+            m.shape[0], -1, acc.rows
+        )
+        for m in (b, c)
+    )
+    ssm = merge_tp(from_raw(raw[..., cb : cb + _ssm_bytes(acc)], acc.ssm_dtype, acc.ssm_shape), 1)
+    return x, b, c, ssm
+
+
+def write_mamba(
+    region: jax.Array,
+    acc: MambaAccess,
+    tp: int,
+    pages: jax.Array,
+    x: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    ssm: jax.Array,
+) -> jax.Array:
+    """Inverse of `read_mamba`: store the four states into the state pages."""
+    dup = acc.group_dup(tp)
+    b, c = (
+        duplicate(m.reshape(m.shape[0], -1, acc.state_size, acc.rows), 1, dup).reshape(
+            m.shape[0], -1, acc.rows
+        )
+        for m in (b, c)
+    )
+    x, b, c = (split_tp(m, 1, tp) for m in (x, b, c))  # [tp, B, local, W-1]
+    if acc.layout == "DS":
+        conv = [to_raw(m, acc.conv_dtype, 1) for m in (x, b, c)]
+    else:
+        rows_major = jnp.concatenate([jnp.swapaxes(m, -1, -2) for m in (x, b, c)], axis=-1)
+        conv = [to_raw(rows_major, acc.conv_dtype, 1)]
+    raw = jnp.concatenate([*conv, to_raw(split_tp(ssm, 1, tp), acc.ssm_dtype, 1)], axis=-1)
+    return region.at[:, pages, : raw.shape[-1]].set(raw)
+
+
+def _ssm_bytes(acc: MambaAccess) -> int:
+    h, p, n = acc.ssm_shape
+    return h * p * n * jnp.dtype(acc.ssm_dtype).itemsize

@@ -1,0 +1,47 @@
+"""Build a runner (model + cache plan + regions) from a model directory."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from backends.protocol import load_ops
+from hybridserve.config import CacheConfig, ModelConfig
+from hybridserve.kv_spec import CachePlan, layer_specs, plan_cache
+from hybridserve.parallel import make_mesh
+from hybridserve.runner.model_runner import ModelRunner
+from hybridserve.weights.loader import load_model
+
+
+def make_plan(cfg: ModelConfig, cache: CacheConfig, tp: int, dtype: str) -> CachePlan:
+    """The cache plan for `cfg` at TP `tp`; "auto" cache dtypes follow the model dtype."""
+    kv = dtype if cache.kv_dtype == "auto" else cache.kv_dtype
+    conv = dtype if cache.conv_dtype == "auto" else cache.conv_dtype
+    specs = layer_specs(cfg, tp, kv, conv, cache.ssm_dtype, cache.conv_layout)
+    return plan_cache(specs, tp, cache.kernel_block_size, cache.block_size)
+
+
+def num_pages_for(plan: CachePlan, cache: CacheConfig) -> int:
+    """Pages in the pool: fixed, or as many as fit in `memory_bytes` per rank."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    return max(2, cache.memory_bytes // (plan.page_size_bytes * plan.num_regions))
+
+
+def make_runner(
+    model_dir: str,
+    *,
+    dtype: str | None = None,
+    tp: int = 1,
+    backend: str = "xla",
+    cache: CacheConfig | None = None,
+    max_model_len: int = 2048,
+    progress: bool = False,
+) -> ModelRunner:
+    """Load the model and allocate its cache."""
+    cache = cache or CacheConfig()
+    mesh = make_mesh(tp)
+    model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress=progress)
+    dtype_name = jnp.dtype(dtype or cfg.dtype).name
+    plan = make_plan(cfg, cache, tp, dtype_name)
+    max_len = min(max_model_len, cfg.max_position_embeddings)
+    return ModelRunner(model, cfg, plan, mesh, num_pages_for(plan, cache), max_len)

@@ -1,0 +1,70 @@
+"""Host-side (numpy) assembly of one forward call's inputs from scheduled chunks.
+
+Shapes are bucketed to powers of two (rows, tokens per row, kernel blocks per row) so that a
+small set of programs is compiled and reused; padding rows have no tokens and point at the
+null page 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hybridserve.core.outputs import ScheduledChunk
+from hybridserve.kv_spec import CachePlan
+
+
+def bucket(n: int, smallest: int = 1, largest: int | None = None) -> int:
+    """The smallest power-of-two multiple of `smallest` that is >= n (capped at `largest`)."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size if largest is None else max(min(size, largest), n)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchArrays:
+    """Numpy inputs of one forward call (rows already padded)."""
+
+    tokens: np.ndarray  # [B, T] int32
+    positions: np.ndarray  # [B, T] int32
+    lengths: np.ndarray  # [B] int32
+    tables: tuple[np.ndarray, ...]  # per group: [B, nblk] kernel blocks, or [B] state pages
+    num_rows: int  # real rows (the rest is padding)
+
+
+def build_batch(
+    chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, min_tokens: int = 1
+) -> BatchArrays:
+    """Pad `chunks` into one batch; attention pages expand to kernel blocks `L*ratio + j`."""
+    n = len(chunks)
+    rows = bucket(n)
+    t = bucket(max(len(c.token_ids) for c in chunks), min_tokens)
+    kb, ratio = plan.kernel_block_size, plan.ratio
+    max_blocks = -(-max_model_len // kb)
+    need = max(-(-(c.start + len(c.token_ids)) // kb) for c in chunks)
+    nblk = bucket(need, 4, max_blocks)
+    tokens = np.zeros((rows, t), np.int32)
+    lengths = np.zeros(rows, np.int32)
+    starts = np.zeros(rows, np.int32)
+    for i, c in enumerate(chunks):
+        tokens[i, : len(c.token_ids)] = c.token_ids
+        lengths[i] = len(c.token_ids)
+        starts[i] = c.start
+    tables = []
+    for g, group in enumerate(plan.groups):
+        if group.kind == "mamba":
+            pages = np.zeros(rows, np.int32)
+            for i, c in enumerate(chunks):
+                pages[i] = c.block_tables[g][0]
+            tables.append(pages)
+        else:
+            kernel = np.zeros((rows, nblk), np.int32)
+            for i, c in enumerate(chunks):
+                logical = np.asarray(c.block_tables[g], np.int64)
+                ids = (logical[:, None] * ratio + np.arange(ratio)[None, :]).reshape(-1)
+                kernel[i, : min(len(ids), nblk)] = ids[:nblk]
+            tables.append(kernel)
+    positions = starts[:, None] + np.arange(t, dtype=np.int32)[None, :]
+    return BatchArrays(tokens, positions, lengths, tuple(tables), n)
