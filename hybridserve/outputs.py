@@ -14,6 +14,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
 
 
 @dataclasses.dataclass
@@ -23,12 +24,23 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Decode rate after the first token (None until two tokens exist)."""
+        if self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        end = self.finished_time or self.first_token_time
+        span = end - self.first_token_time
+        return (self.num_generated_tokens - 1) / span if span > 0 else None
 
 
 @dataclasses.dataclass
@@ -41,3 +53,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)  # since the last update

@@ -9,14 +9,17 @@ import dataclasses
 class SamplingParams:
     """Sampling and stopping rules for one request.
 
-    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 turn those filters off. Generation
-    stops at `max_tokens`, at an EOS token (unless `ignore_eos`), at any of `stop_token_ids`, or
-    when the text contains one of the `stop` strings (which is cut off).
+    temperature 0 is greedy. top_k 0 (or -1), top_p 1 and min_p 0 turn those filters off.
+    Generation stops at `max_tokens`, at an EOS token (unless `ignore_eos`, or before
+    `min_tokens`), at any of `stop_token_ids`, or when the text contains one of the `stop`
+    strings (which is cut off). `logprobs=n` returns, per generated token, its log-probability
+    and the n most likely tokens'. `seed` makes sampling reproducible per request.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     seed: int | None = None
@@ -25,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +41,12 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 for off), got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an int: {self.seed}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (
                 0 <= self.min_tokens <= self.max_tokens,

@@ -1,6 +1,9 @@
-"""Token sampling: greedy, temperature, top-k and top-p, one PRNG key per row."""
+"""Token sampling (greedy, temperature, top-k, top-p, min-p; one PRNG key per row) and
+log-probabilities."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,28 +11,52 @@ import jax.numpy as jnp
 
 @jax.jit
 def sample(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    keys: jax.Array,
 ) -> jax.Array:
     """Pick one token per row.
 
+    The filters apply to the temperature-scaled distribution, in the order top-k, top-p
+    (smallest set of most likely tokens with mass >= top_p), min-p (tokens with probability
+    >= min_p times the most likely one's).
+
     Args:
       logits: [B, V] float32. temperature: [B] (0 = greedy). top_k: [B] int (0 = off).
-      top_p: [B] in (0, 1] (1 = off). keys: [B] PRNG keys.
+      top_p: [B] in (0, 1] (1 = off). min_p: [B] in [0, 1] (0 = off). keys: [B] PRNG keys.
     Returns: [B] int32 token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
     vocab = logits.shape[-1]
+    desc = jnp.sort(scaled, axis=-1)[:, ::-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=-1)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
     scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    probs = jax.nn.softmax(jnp.sort(scaled, axis=-1)[:, ::-1], axis=-1)
-    # Keep the smallest prefix of the sorted tokens whose mass reaches top_p.
-    before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff_idx = jnp.sum(before < top_p[:, None], axis=-1) - 1
-    sorted_desc = jnp.sort(scaled, axis=-1)[:, ::-1]
-    cutoff = jnp.take_along_axis(sorted_desc, cutoff_idx[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+    keep = jnp.sum(before < top_p[:, None], axis=-1)  # >= 1
+    cutoff = jnp.take_along_axis(desc, (keep - 1)[:, None], axis=-1)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    floor = desc[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]  # log(min_p * p_max)
+    scaled = jnp.where((min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature <= 0, greedy, drawn)
+
+
+@functools.partial(jax.jit, static_argnames=("num",))
+def logprobs(
+    logits: jax.Array, tokens: jax.Array, num: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the model's distribution (before any sampling transform).
+
+    Returns: chosen [B] (logprob of `tokens`), top ids [B, num], top logprobs [B, num].
+    """
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, num)
+    return chosen, top_ids.astype(jnp.int32), top_lp

@@ -1,0 +1,85 @@
+"""The cache regions: one page read through the Mamba view and the attention view is the same
+bytes; region buffers keep their addresses across jitted steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
+from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.kv_spec import layer_specs, plan_cache
+from hybridserve.layers.cache_view import from_raw, read_kv, read_mamba, write_mamba
+from hybridserve.runner.model_runner import build_layout
+
+CFG = ModelConfig(
+    architecture="nemotron_h", vocab_size=64, hidden_size=32,
+    layer_types=("mamba", "attention", "mamba", "attention"), norm_eps=1e-5,
+    attention=AttentionConfig(4, 2, 8), mamba=MambaConfig(4, 8, 8, 2, 4, 8),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("tp,layout", [(1, "DS"), (1, "SD"), (2, "DS")])
+def test_mamba_view_and_attention_view_share_bytes(tp, layout):
+    plan = plan_cache(layer_specs(CFG, tp, "bfloat16", "bfloat16", layout=layout), tp)
+    cache_layout = build_layout(CFG, plan)
+    mamba, attn = cache_layout.layers[0], cache_layout.layers[1]
+    assert mamba.region == attn.region == 0  # both live in region 0
+    num_pages, page = 4, plan.page_size_bytes
+    rng = np.random.default_rng(0)
+    region = jnp.asarray(rng.integers(0, 256, (tp, num_pages, page), dtype=np.uint8))
+    m = CFG.mamba
+    x = jnp.asarray(rng.standard_normal((1, m.intermediate_size, 3)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
+    ssm = jnp.asarray(rng.standard_normal((1, 4, 8, 8)), jnp.float32)
+    pages = jnp.array([2])
+    region = write_mamba(region, mamba, tp, pages, x, b, c, ssm)
+    got = read_mamba(region, mamba, tp, pages)
+    for want, have in zip((x, b, c, ssm), got, strict=True):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+    # The same page through the attention view: K and V of its kernel blocks, per rank.
+    spec = [g.spec for g in plan.groups if g.kind == "mamba"][0]
+    kernel_ids = jnp.arange(plan.ratio)[None] + 2 * plan.ratio
+    k, v = read_kv(region, attn, tp, kernel_ids)  # [1, ratio*kb, K, H]
+    kb, heads = plan.kernel_block_size, attn.kv_heads_local
+    per_rank = []
+    for r in range(tp):
+        kr = np.asarray(k)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r]
+        vr = np.asarray(v)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r]
+        page_bytes = np.concatenate([kr, vr], axis=1).view(np.uint8).reshape(-1)
+        per_rank.append(page_bytes)
+    state = np.asarray(region)[:, 2, : spec.state_bytes]
+    for r in range(tp):
+        np.testing.assert_array_equal(per_rank[r][: spec.state_bytes], state[r])
+        # and the ssm bytes of rank r are the ssm values of its heads
+        ssm_r = from_raw(
+            jnp.asarray(state[r : r + 1, None, spec.conv_bytes :]), "float32", spec.ssm_shape
+        )
+        np.testing.assert_array_equal(
+            np.asarray(ssm_r)[0, 0], np.asarray(ssm)[0, r * 4 // tp : (r + 1) * 4 // tp]
+        )
+
+
+def test_region_addresses_fixed_across_steps(hf_checkpoint):
+    from hybridserve.config import CacheConfig
+    from hybridserve.runner.factory import make_runner
+
+    runner = make_runner(
+        str(hf_checkpoint("nemotron_h")[0]),
+        dtype="float32",
+        cache=CacheConfig(num_pages=32),
+        max_model_len=64,
+    )
+    before = runner.region_addresses()
+    tables = runner.scratch_tables(40)
+    ids = list(range(3, 23))
+    runner.execute(
+        SchedulerOutput((ScheduledChunk("a", tuple(ids), 0, tables, True),), page_copies=((5, 9),))
+    )
+    for step in range(10):
+        runner.execute(SchedulerOutput((ScheduledChunk("a", (7,), 20 + step, tables, True),)))
+    jax.block_until_ready(runner.regions)
+    assert runner.region_addresses() == before
