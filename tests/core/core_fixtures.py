@@ -55,6 +55,21 @@ def next_token(tokens) -> int:
     return zlib.crc32(struct.pack(f"<{len(tokens)}i", *tokens)) % VOCAB
 
 
+def reference(request: Request, max_model_len: int) -> tuple[list[int], str, int | None]:
+    """Outputs, finish_reason and stop_reason of the fake model run alone, token by token."""
+    seq, out = list(request.prompt_token_ids), []
+    while True:
+        token = next_token(seq)
+        out.append(token)
+        seq.append(token)
+        if len(out) >= request.min_tokens and token in request.eos_token_ids:
+            return out, "stop", None
+        if len(out) >= request.min_tokens and token in request.stop_token_ids:
+            return out, "stop", token
+        if len(out) >= request.max_tokens or len(seq) >= max_model_len:
+            return out, "length", None
+
+
 class ContentRunner:
     """A fake model runner that tracks what every page holds: attention pages the token id at
     each position, state pages the tuple of tokens the state has consumed. Each step applies the
@@ -81,6 +96,9 @@ class ContentRunner:
         for chunk in out.chunks:
             request = self.scheduler.requests.get(chunk.req_id)
             start, new = chunk.start, list(chunk.token_ids)
+            for g, table in enumerate(chunk.block_tables):
+                pages = 1 if self.kinds[g] == "mamba" else -(-(start + len(new)) // self.block)
+                assert len(table) == pages, f"group {g}: {len(table)} pages, expected {pages}"
             if request is not None:  # else aborted while in flight: write, check nothing
                 context = list(request.token_slice(0, start))
                 assert request.token_slice(start, start + len(new)) == chunk.token_ids

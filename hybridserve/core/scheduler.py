@@ -1,0 +1,249 @@
+"""Continuous batching over the paged hybrid cache, with chunked prefill, prefix caching and
+preemption by recompute.
+
+Each `schedule()` builds one step under a token budget (`max_num_batched_tokens`) and a seat
+limit (`max_num_seqs` running requests):
+  1. Running requests, in order: a decoding request gets 1 token, one still in prefill a chunk
+     of `min(remaining, max_prefill_chunk, budget)` tokens. With prefix caching on a model with
+     Mamba groups, a chunk that would cross a prefix-unit boundary ends on the last boundary it
+     crosses, so that a state snapshot can be taken there.
+     When the pool has no room, the most recently arrived running request not yet scheduled in
+     this step (possibly the one being scheduled) is preempted: its pages are freed, it goes
+     back to the front of the waiting queue and later recomputes its prompt and outputs.
+  2. If nothing was preempted, waiting requests are admitted in order (prefix lookup first)
+     while budget, seats and pages last.
+Prefill and decode chunks mix in one step. `update_from_output(out, sampled)` then advances the
+requests, appends sampled tokens, applies the stop rules and frees finished requests.
+
+`schedule()` and `update_from_output()` alternate: a non-empty output must be updated before the
+next schedule. `abort_request` and `finish_request` may be called at any time; a request
+aborted while its step is in flight has its pages freed at once (nothing reuses them before the
+next `schedule()`), and the in-flight chunk is ignored on update.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hybridserve.config import SchedulerConfig
+from hybridserve.core.cache_manager import CacheCoordinator
+from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.core.prefix_cache import PrefixCacheStats
+from hybridserve.core.request import Request, RequestStatus
+from hybridserve.kv_spec import CachePlan
+
+
+class PoolTooSmall(RuntimeError):
+    """The cache pool cannot hold one request on its own."""
+
+
+class Scheduler:
+    """Admission, chunking, preemption and stop rules over one `CacheCoordinator`."""
+
+    def __init__(self, plan: CachePlan, num_pages: int, config: SchedulerConfig) -> None:
+        self.config = config
+        self.coordinator = CacheCoordinator(
+            plan, num_pages, config.prefix_unit, config.enable_prefix_caching
+        )
+        self.prefix_unit = self.coordinator.unit
+        self.align_chunks = config.enable_prefix_caching and bool(self.coordinator.mamba)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+        self._order: dict[str, int] = {}  # arrival tie-break
+        self._counter = 0
+        self._in_flight: SchedulerOutput | None = None
+        self._in_flight_ids: set[str] = set()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError for a duplicate req_id or a prompt of
+        `max_model_len` tokens or more (a longer total is fine: it stops at max_model_len)."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request {request.req_id!r} is already queued")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r}: the prompt has {request.num_prompt_tokens} tokens; "
+                f"max_model_len is {self.config.max_model_len}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self._order[request.req_id] = self._counter
+        self._counter += 1
+        self.waiting.append(request)
+
+    def abort_request(self, req_id: str) -> Request | None:
+        """End a waiting, running or preempted request (FINISHED_ABORTED, reason "abort") and
+        free its pages. Returns it, or None if it is unknown or already finished."""
+        return self.finish_request(req_id, "abort")
+
+    def finish_request(
+        self, req_id: str, reason: str = "stop", stop_reason: int | str | None = None
+    ) -> Request | None:
+        """End a request from outside (the engine's stop strings): reason "stop", "length" or
+        "abort". Returns it, or None if it is unknown or already finished."""
+        request = self.requests.get(req_id)
+        if request is None:
+            return None
+        request.finish(reason, stop_reason)
+        self._retire(request, keep_state=req_id not in self._in_flight_ids)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pages in use (cached free pages count as free)."""
+        return self.coordinator.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.coordinator.stats
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step (see the module docstring)."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update_from_output()")
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk_size(request, request.num_computed_tokens, budget)
+            while not self.coordinator.allocate_slots(request, n):
+                victim = max(self.running[i:], key=self._arrival)
+                if victim is request and i == 0 and len(self.running) == 1:
+                    raise self._too_small(request, n)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, n))
+                budget -= n
+                i += 1
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit = self.coordinator.find_prefix(request)
+            n = self._chunk_size(request, hit.num_tokens, budget)
+            if not self.coordinator.allocate_slots(request, n, hit):
+                if self.running:
+                    break
+                # alone in the pool: copy sources hold extra pages, so try without the hit
+                n = self._chunk_size(request, 0, budget)
+                if not self.coordinator.allocate_slots(request, n, self.coordinator.miss()):
+                    raise self._too_small(request, n)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+        out = SchedulerOutput(tuple(chunks), self.coordinator.take_page_copies())
+        if chunks:
+            self._in_flight = out
+            self._in_flight_ids = {c.req_id for c in chunks}
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a computed step: advance each chunk's request, append its sampled token
+        (`sampled[req_id]` for chunks with sample=True), register new prefix units and
+        snapshots, apply the stop rules and free finished requests. Returns the requests that
+        finished in this step (aborted ones are not included)."""
+        if out is not self._in_flight:
+            if out.is_empty and self._in_flight is None:
+                return []
+            raise RuntimeError("update_from_output() expects the output of the last schedule()")
+        self._in_flight = None
+        self._in_flight_ids = set()
+        finished: list[Request] = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished while the step was in flight
+            if chunk.start != request.num_computed_tokens:
+                raise RuntimeError(f"request {chunk.req_id}: chunk start {chunk.start} != computed")
+            request.num_computed_tokens += len(chunk.token_ids)
+            self.coordinator.on_computed(request)
+            if chunk.sample:
+                if chunk.req_id not in sampled:
+                    raise KeyError(f"no sampled token for request {chunk.req_id!r}")
+                request.output_token_ids.append(int(sampled[chunk.req_id]))
+                if request.check_stop(self.config.max_model_len):
+                    finished.append(request)
+        self.coordinator.finish_step()
+        for request in finished:
+            self._retire(request, keep_state=True)
+        return finished
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _chunk_size(self, request: Request, start: int, budget: int) -> int:
+        n = min(request.num_tokens - start, self.config.max_prefill_chunk, budget)
+        if self.align_chunks:
+            end = start + n
+            aligned = end - end % self.prefix_unit
+            if aligned > start:
+                n = aligned - start
+        return n
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            req_id=request.req_id,
+            token_ids=request.token_slice(start, start + n),
+            start=start,
+            block_tables=self.coordinator.block_tables(request),
+            sample=start + n == request.num_tokens,
+        )
+
+    def _arrival(self, request: Request) -> tuple[float, int]:
+        return (request.arrival_time, self._order[request.req_id])
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.coordinator.free(request, keep_state=True)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _retire(self, request: Request, keep_state: bool) -> None:
+        """Drop a request that just got a FINISHED_* status from the queues and the cache."""
+        del self.requests[request.req_id]
+        del self._order[request.req_id]
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.coordinator.free(request, keep_state)
+
+    def _too_small(self, request: Request, n: int) -> PoolTooSmall:
+        c = self.coordinator
+        need = c.pages_for(request.num_computed_tokens + n)
+        full = c.pages_for(self.config.max_model_len)
+        return PoolTooSmall(
+            f"the cache pool ({c.pool.num_pages - 1} usable pages) cannot hold request "
+            f"{request.req_id!r} on its own: {request.num_computed_tokens + n} tokens need {need} "
+            f"pages, and max_model_len {self.config.max_model_len} needs {full}; give the cache "
+            "more pages or lower max_model_len"
+        )
