@@ -172,20 +172,21 @@ class Scheduler:
             if out.is_empty and self._in_flight is None:
                 return []
             raise RuntimeError("update_from_output() expects the output of the last schedule()")
-        self._in_flight = None
-        self._in_flight_ids = set()
-        finished: list[Request] = []
+        live = []
         for chunk in out.chunks:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished while the step was in flight
-            if chunk.start != request.num_computed_tokens:
-                raise RuntimeError(f"request {chunk.req_id}: chunk start {chunk.start} != computed")
+            if chunk.sample and chunk.req_id not in sampled:
+                raise KeyError(f"no sampled token for request {chunk.req_id!r}")
+            live.append((chunk, request))
+        self._in_flight = None
+        self._in_flight_ids = set()
+        finished: list[Request] = []
+        for chunk, request in live:
             request.num_computed_tokens += len(chunk.token_ids)
             self.coordinator.on_computed(request)
             if chunk.sample:
-                if chunk.req_id not in sampled:
-                    raise KeyError(f"no sampled token for request {chunk.req_id!r}")
                 request.output_token_ids.append(int(sampled[chunk.req_id]))
                 if request.check_stop(self.config.max_model_len):
                     finished.append(request)

@@ -295,9 +295,12 @@ def test_no_hit_without_a_snapshot():
 def test_schedule_and_update_alternate():
     s = Scheduler(make_plan("A"), 16, make_config())
     assert s.schedule().is_empty and s.update_from_output(s.schedule(), {}) == []
-    s.add_request(make_request("r", range(5)))
+    s.add_request(make_request("r", range(5), max_tokens=1))
     out = s.schedule()
     with pytest.raises(RuntimeError, match="before update_from_output"):
         s.schedule()
     with pytest.raises(KeyError, match="no sampled token"):
         s.update_from_output(out, {})
+    assert s.requests["r"].num_computed_tokens == 0  # nothing applied: the update can be retried
+    (done,) = s.update_from_output(out, {"r": 3})
+    assert done.output_token_ids == [3] and done.num_computed_tokens == 5
