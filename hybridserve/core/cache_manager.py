@@ -54,12 +54,6 @@ class GroupManager:
         """New pages the table needs to cover `num_tokens` tokens."""
         raise NotImplementedError
 
-    def grow(self, table: list[int], num_tokens: int) -> list[int]:
-        """Allocate and append the pages the table needs; return them (enough must be free)."""
-        fresh = self.pool.allocate(self.pages_needed(table, num_tokens))
-        table.extend(fresh)
-        return fresh
-
     def drop_out_of_window(self, table: list[int], num_computed: int) -> None:
         """Free pages no future token attends to (sliding windows only)."""
 
@@ -202,19 +196,21 @@ class CacheCoordinator:
                 m.drop_out_of_window(table, start)
             held = 0
         end = start + num_new_tokens
-        need = sum(m.pages_needed(t, end) for m, t in zip(self.managers, tables, strict=True))
-        if need + held > self.pool.num_free:
+        needs = [m.pages_needed(t, end) for m, t in zip(self.managers, tables, strict=True)]
+        if sum(needs) + held > self.pool.num_free:
             return False
-        if admitting:  # take the hit's pages first, so that `grow` cannot hand them out
+        if admitting:  # take the hit's pages first, so that allocation cannot hand them out
             self.pool.touch(p for table in tables for p in table)
             self._tables[req_id] = tables
             for src in hit.sources:
                 if src is not None:
                     self._hold(src)
-        for g, (m, table) in enumerate(zip(self.managers, tables, strict=True)):
-            fresh = m.grow(table, end)
-            if admitting and hit.sources[g] is not None:
-                self._copies.append((hit.sources[g], fresh[0]))
+        for g, n in enumerate(needs):
+            if n:
+                fresh = self.pool.allocate(n)
+                tables[g].extend(fresh)
+                if admitting and hit.sources[g] is not None:
+                    self._copies.append((hit.sources[g], fresh[0]))
         if admitting:
             request.num_computed_tokens = request.num_cached_tokens = start
             self._registered[req_id] = start // self.unit
