@@ -13,10 +13,12 @@ ratio 261). Caching whole pages would almost never hit, so the cache works in *p
   `(g, h_k) -> (page, k % U)` for every attention group g (the page holding it in that group).
   The entries of a page are dropped when the page is handed out again (eviction).
 - Mamba groups keep *state snapshots* at unit boundaries: when a step ends with a request's
-  computed length p on a unit boundary, the next step that schedules the request copies its
-  running state page into a fresh page first (`SchedulerOutput.page_copies` run before the step
-  computes, so the copy is the state at exactly p); after that step the snapshot page is
-  registered as `(g, h_{p/G-1}) -> (page, 0)` and released with ref count 0 (cached, evictable).
+  computed length p on a unit boundary inside its prompt (p <= prompt length: snapshots while
+  decoding would churn the cache for little gain), the next step that schedules the request
+  copies its running state page into a fresh page first, if one is free
+  (`SchedulerOutput.page_copies` run before the step computes, so the copy is the state at
+  exactly p); after that step the snapshot page is registered as `(g, h_{p/G-1}) -> (page, 0)`
+  and released with ref count 0 (cached, evictable).
   A request that ends (finishes, or is preempted) on a boundary registers its running state page
   itself, without a copy.
 - The scheduler ends prefill chunks on unit boundaries whenever a chunk would cross one, so a

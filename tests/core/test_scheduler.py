@@ -304,3 +304,15 @@ def test_schedule_and_update_alternate():
     assert s.requests["r"].num_computed_tokens == 0  # nothing applied: the update can be retried
     (done,) = s.update_from_output(out, {"r": 3})
     assert done.output_token_ids == [3] and done.num_computed_tokens == 5
+
+
+def test_request_tokens_and_status():
+    r = Request("r", [1, 2, 3], max_tokens=4)
+    r.output_token_ids += [4, 5]
+    assert r.all_token_ids == [1, 2, 3, 4, 5] and (r.num_tokens, r.num_prompt_tokens) == (5, 3)
+    for start in range(6):
+        for stop in range(start, 6):
+            assert r.token_slice(start, stop) == tuple([1, 2, 3, 4, 5][start:stop])
+    finished = {s for s in RequestStatus if s.is_finished}
+    assert {s.name for s in finished} == {"FINISHED_STOPPED", "FINISHED_LENGTH", "FINISHED_ABORTED"}
+    assert not r.is_finished and r.status is RequestStatus.WAITING
