@@ -316,3 +316,18 @@ def test_request_tokens_and_status():
     finished = {s for s in RequestStatus if s.is_finished}
     assert {s.name for s in finished} == {"FINISHED_STOPPED", "FINISHED_LENGTH", "FINISHED_ABORTED"}
     assert not r.is_finished and r.status is RequestStatus.WAITING
+
+
+def test_abort_a_running_request_between_steps():
+    s = Scheduler(make_plan("MA"), 16, make_config(prefix_unit=4))
+    runner = ContentRunner(s)
+    s.add_request(make_request("a", range(1, 30), max_tokens=5))
+    s.add_request(make_request("b", range(100, 110), max_tokens=5))
+    run_step(s, runner)
+    assert s.coordinator.num_free == 15 - 3 - 2  # a: state + 2 pages, b: state + 1 page
+    aborted = s.abort_request("a")
+    assert aborted.status is RequestStatus.FINISHED_ABORTED and s.coordinator.num_free == 13
+    assert not s.coordinator.has_pages("a") and s.coordinator.pool.is_cached(1)  # state at 28
+    out, _ = run_step(s, runner)
+    assert [c.req_id for c in out.chunks] == ["b"]
+    check_invariants(s)
