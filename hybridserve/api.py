@@ -10,11 +10,12 @@ print(outs[0].outputs[0].text, outs[0].outputs[0].token_ids)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from hybridserve.config import CacheConfig
 from hybridserve.engine import EngineConfig, LLMEngine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -31,11 +32,14 @@ class LLM:
       model: an HF directory (nemotron_h, bamba, granitemoehybrid; converted on the fly) or a
         directory written by `hybridserve convert`. Defaults to the shipped toy model.
       dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
-      tensor_parallel_size: devices to shard the model over.
+      tensor_parallel_size: devices to shard the model (and its cache) over.
       backend: op backend, "xla" (reference), "pallas" or "torch".
       max_model_len: longest prompt + output, in tokens.
       max_num_seqs: requests decoded together.
-      max_prefill_chunk: prompt tokens processed per step and request (chunked prefill).
+      max_num_batched_tokens: tokens computed per step (prefill chunks and decode tokens).
+      max_prefill_chunk: prompt tokens per request and step (chunked prefill).
+      enable_prefix_caching: reuse computed prefixes (KV pages and Mamba state snapshots).
+      cache: the paged cache's settings (`CacheConfig`: dtypes, conv layout, pool size).
       seed: base seed of requests whose SamplingParams carry none.
       progress: show a progress bar while loading weights.
     """
@@ -48,7 +52,10 @@ class LLM:
         backend: str = "xla",
         max_model_len: int = 2048,
         max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
         max_prefill_chunk: int = 256,
+        enable_prefix_caching: bool = True,
+        cache: CacheConfig | None = None,
         seed: int = 0,
         progress: bool = True,
     ) -> None:
@@ -65,7 +72,10 @@ class LLM:
                 backend=backend,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_chunk=max_prefill_chunk,
+                enable_prefix_caching=enable_prefix_caching,
+                cache=cache or CacheConfig(),
                 seed=seed,
             ),
             progress=progress,
@@ -75,6 +85,28 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def _add(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        unpacked = []
+        for prompt, p in zip(prompts, params, strict=True):
+            if isinstance(prompt, dict):
+                if "prompt_token_ids" not in prompt:
+                    raise ValueError('a dict prompt needs "prompt_token_ids"')
+                prompt = list(prompt["prompt_token_ids"])
+            self.engine.validate(prompt, p)  # all or nothing: check every prompt first
+            unpacked.append((prompt, p))
+        return [self.engine.add_request(prompt, p) for prompt, p in unpacked]
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -83,24 +115,37 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string or `{"prompt_token_ids": [...]}`); outputs come
         back in prompt order."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            if isinstance(prompt, dict):
-                if "prompt_token_ids" not in prompt:
-                    raise ValueError('a dict prompt needs "prompt_token_ids"')
-                prompt = list(prompt["prompt_token_ids"])
-            ids.append(self.engine.add_request(prompt, p))
+        ids = self._add(prompts, sampling_params)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
+            while len(done) < len(ids):
                 for out in self.engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
         return [done[i] for i in ids]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Like `generate`, but yields a `RequestOutput` each time a request gets a token
+        (`new_token_ids` holds the tokens since its previous update). Closing the generator
+        early aborts the requests still running."""
+        ids = self._add(prompts, sampling_params)
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for req_id in pending:
+                self.engine.abort_request(req_id)
+
+    def stats(self) -> dict[str, float]:
+        """Engine statistics: queue sizes, cache usage, prefix-cache hit rate."""
+        return self.engine.stats()

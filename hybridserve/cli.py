@@ -38,6 +38,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=int, default=2048, help="longest prompt + output in tokens"
     )
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tokens computed per step"
+    )
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse computed prefixes"
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -51,6 +58,9 @@ def _generate(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         backend=args.backend,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
         progress=True,
     )
     params = SamplingParams(
