@@ -74,6 +74,7 @@ class LLMEngine:
             backend=config.backend,
             cache=config.cache,
             max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
             progress=progress,
         )
         self.model_config = self.runner.cfg

@@ -47,8 +47,15 @@ class Attention(nnx.Module):
             q = apply_rope(q, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
             k = apply_rope(k, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
         table = inputs.tables[acc.group]
-        region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
-        k_all, v_all = read_kv(region, acc, tp, table)  # [B, S, K, H]
+        # Read the cached keys first, lay this step's tokens over them (rounded to the cache
+        # dtype, as a later step will read them), and write the region last: one read and one
+        # in-place write of the region per layer.
+        k_all, v_all, region = read_kv(region, acc, tp, table)  # [B, S, K, H]
+        k, v = k.astype(acc.dtype), v.astype(acc.dtype)
+        rows = jnp.arange(k.shape[0])[:, None]
+        at = jnp.where(inputs.valid, inputs.positions, k_all.shape[1])  # padding: dropped
+        k_all = k_all.at[rows, at].set(k, mode="drop")
+        v_all = v_all.at[rows, at].set(v, mode="drop")
         # Keys no query of the row can see may hold another view's bytes: zero them.
         key = jnp.arange(k_all.shape[1])[None, :]
         live = key < inputs.kv_lengths[:, None]
@@ -65,4 +72,5 @@ class Attention(nnx.Module):
             self.cfg.softmax_scale,
             self.cfg.sliding_window,
         )
+        region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
         return self.o_proj(out), region

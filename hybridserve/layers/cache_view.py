@@ -1,8 +1,10 @@
 """Typed views of the raw cache regions.
 
-A region is one uint8 buffer `[tp, num_pages, page_bytes]` (sharded over "tp" on axis 0: each
-rank owns the bytes of its own pages). Every layer reads and writes its cache through a typed
-view of its region: the attention view and the Mamba view of one page are the same bytes.
+A region is one uint8 buffer `[tp, num_pages * page_rows, row_bytes]` (sharded over "tp" on axis
+0: each rank owns the bytes of its own pages); page p is rows `[p * page_rows, (p+1) * page_rows)`
+and a row is one token's K (or V). The buffer is never reshaped: XLA then updates it in place.
+Every layer reads and writes its cache through a typed view of its region: the attention view
+and the Mamba view of one page are the same bytes.
 
 Page layouts (per rank, `kb` = kernel block, `ratio` kernel blocks per page):
   attention: `ratio` kernel pages, each `[K (kb tokens) | V (kb tokens)]`, a token's K (or V)
@@ -21,6 +23,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+# Page and row ids come from the scheduler and are always valid: promising it lets XLA update
+# the (donated) regions in place instead of guarding, and copying, the whole buffer.
+IN_BOUNDS = "promise_in_bounds"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,11 @@ class CacheLayout:
     tp: int
     ratio: int
     page_bytes: int
+    row_bytes: int  # one token's K (or V) per rank; the whole page without attention
+
+    @property
+    def page_rows(self) -> int:
+        return self.page_bytes // self.row_bytes
 
 
 def split_tp(x: jax.Array, axis: int, tp: int) -> jax.Array:
@@ -113,10 +124,13 @@ def undup(x: jax.Array, axis: int, dup: int) -> jax.Array:
     return jnp.take(x, 0, axis=axis + 1)
 
 
-def apply_page_copies(regions: list[jax.Array], copies: jax.Array) -> list[jax.Array]:
+def apply_page_copies(
+    regions: list[jax.Array], copies: jax.Array, page_rows: int
+) -> list[jax.Array]:
     """Copy whole pages `copies[:, 0] -> copies[:, 1]` in every region (padding: 0 -> 0)."""
-    src, dst = copies[:, 0], copies[:, 1]
-    return [r.at[:, dst].set(r[:, src]) for r in regions]
+    span = jnp.arange(page_rows)[None, :]
+    src, dst = copies[:, :1] * page_rows + span, copies[:, 1:] * page_rows + span
+    return [r.at[:, dst].set(r.at[:, src].get(mode=IN_BOUNDS), mode=IN_BOUNDS) for r in regions]
 
 
 def write_kv(
@@ -132,9 +146,7 @@ def write_kv(
     """Write new tokens' K and V ([B, T, K, H]) at their positions through the block table
     ([B, nblk] kernel block ids); padding tokens go to row 0 of the null page."""
     kb = acc.kernel_block
-    rows_view = region.reshape(
-        tp, -1, acc.kv_heads_local * acc.head_dim * jnp.dtype(acc.dtype).itemsize
-    )
+    rows_view = region
     idx = jnp.clip(positions // kb, 0, table.shape[1] - 1)
     kid = jnp.take_along_axis(table, idx, axis=1)
     base = kid * 2 * kb + positions % kb
@@ -143,8 +155,8 @@ def write_kv(
     dup = acc.dup(tp)
     for rows, val in ((k_rows, k), (v_rows, v)):
         per_rank = split_tp(duplicate(val, 2, dup), 2, tp)  # [tp, B, T, K_loc, H]
-        rows_view = rows_view.at[:, rows].set(to_raw(per_rank, acc.dtype, 2))
-    return rows_view.reshape(region.shape)
+        rows_view = rows_view.at[:, rows].set(to_raw(per_rank, acc.dtype, 2), mode=IN_BOUNDS)
+    return rows_view
 
 
 def read_kv(
@@ -152,24 +164,24 @@ def read_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """K and V of every block in `table` ([B, nblk]) as [B, nblk*kb, K, H] each."""
     kb = acc.kernel_block
-    rows_view = region.reshape(
-        tp, -1, acc.kv_heads_local * acc.head_dim * jnp.dtype(acc.dtype).itemsize
-    )
+    rows_view = region
     base = table[:, :, None] * 2 * kb + jnp.arange(kb)[None, None, :]  # [B, nblk, kb]
     out = []
     for rows in (base, base + kb):
-        typed = from_raw(rows_view[:, rows], acc.dtype, (acc.kv_heads_local, acc.head_dim))
+        typed = from_raw(
+            rows_view.at[:, rows].get(mode=IN_BOUNDS), acc.dtype, (acc.kv_heads_local, acc.head_dim)
+        )
         full = merge_tp(typed, 3)  # [B, nblk, kb, K*dup, H]
         full = undup(full, 3, acc.dup(tp))
         out.append(full.reshape(full.shape[0], -1, *full.shape[3:]))
-    return out[0], out[1]
+    return out[0], out[1], region
 
 
 def read_mamba(
-    region: jax.Array, acc: MambaAccess, tp: int, pages: jax.Array
+    region: jax.Array, acc: MambaAccess, tp: int, pages: jax.Array, page_rows: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages."""
-    raw = region[:, pages]  # [tp, B, page_bytes]
+    raw = _read_pages(region, pages, page_rows)  # [tp, B, page_bytes]
     n = jnp.dtype(acc.conv_dtype).itemsize * acc.rows
     xb, bb = acc.x_dim * n, acc.bc_dim * n
     cb = xb + 2 * bb
@@ -195,7 +207,7 @@ def read_mamba(
         for m in (b, c)
     )
     ssm = merge_tp(from_raw(raw[..., cb : cb + _ssm_bytes(acc)], acc.ssm_dtype, acc.ssm_shape), 1)
-    return x, b, c, ssm
+    return x, b, c, ssm, region
 
 
 def write_mamba(
@@ -203,6 +215,7 @@ def write_mamba(
     acc: MambaAccess,
     tp: int,
     pages: jax.Array,
+    page_rows: int,
     x: jax.Array,
     b: jax.Array,
     c: jax.Array,
@@ -223,7 +236,24 @@ def write_mamba(
         rows_major = jnp.concatenate([jnp.swapaxes(m, -1, -2) for m in (x, b, c)], axis=-1)
         conv = [to_raw(rows_major, acc.conv_dtype, 1)]
     raw = jnp.concatenate([*conv, to_raw(split_tp(ssm, 1, tp), acc.ssm_dtype, 1)], axis=-1)
-    return region.at[:, pages, : raw.shape[-1]].set(raw)
+    width = region.shape[2]
+    raw = jnp.pad(raw, ((0, 0), (0, 0), (0, page_rows * width - raw.shape[-1])))
+    for i in range(raw.shape[1]):  # one in-place slice update per row
+        rows = raw[:, i].reshape(raw.shape[0], page_rows, width)
+        region = jax.lax.dynamic_update_slice(region, rows, (0, pages[i] * page_rows, 0))
+    return region
+
+
+def _read_pages(region: jax.Array, pages: jax.Array, page_rows: int) -> jax.Array:
+    """Pages `pages` ([B]) of a region as [tp, B, page_bytes], one slice per row."""
+    tp, _, width = region.shape
+    rows = [
+        jax.lax.dynamic_slice(region, (0, pages[i] * page_rows, 0), (tp, page_rows, width)).reshape(
+            tp, 1, page_rows * width
+        )
+        for i in range(pages.shape[0])
+    ]
+    return jnp.concatenate(rows, axis=1)
 
 
 def _ssm_bytes(acc: MambaAccess) -> int:

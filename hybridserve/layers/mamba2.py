@@ -94,7 +94,9 @@ class Mamba2(nnx.Module):
         if cfg.dt_min > 0.0 or cfg.dt_max < float("inf"):
             dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        x_st, b_st, c_st, ssm_state = read_mamba(region, acc, tp, pages)
+        x_st, b_st, c_st, ssm_state, region = read_mamba(
+            region, acc, tp, pages, inputs.layout.page_rows
+        )
         fresh = inputs.fresh  # a row at position 0 starts from zero state (the page is reused)
         states = {
             k: jnp.where(fresh[:, None, None], 0, st)
@@ -140,6 +142,14 @@ class Mamba2(nnx.Module):
         )
         out = self.out_proj(y.reshape(bsz, t, hs, p).astype(u.dtype))
         region = write_mamba(
-            region, acc, tp, pages, states["x"], states["b"], states["c"], ssm_state
+            region,
+            acc,
+            tp,
+            pages,
+            inputs.layout.page_rows,
+            states["x"],
+            states["b"],
+            states["c"],
+            ssm_state,
         )
         return out, region

@@ -20,11 +20,20 @@ def make_plan(cfg: ModelConfig, cache: CacheConfig, tp: int, dtype: str) -> Cach
     return plan_cache(specs, tp, cache.kernel_block_size, cache.block_size)
 
 
-def num_pages_for(plan: CachePlan, cache: CacheConfig) -> int:
-    """Pages in the pool: fixed, or as many as fit in `memory_bytes` per rank."""
+def num_pages_for(
+    plan: CachePlan, cache: CacheConfig, max_num_seqs: int, max_model_len: int
+) -> int:
+    """Pages in the pool: `cache.num_pages` if set; otherwise as many as fit in
+    `cache.memory_bytes` per rank, but no more than twice what `max_num_seqs` requests of
+    `max_model_len` tokens need (the rest would only hold prefix-cache entries, and a smaller
+    pool keeps every region small)."""
     if cache.num_pages is not None:
         return cache.num_pages
-    return max(2, cache.memory_bytes // (plan.page_size_bytes * plan.num_regions))
+    per_request = sum(
+        1 if g.kind == "mamba" else -(-max_model_len // plan.block_size) for g in plan.groups
+    )
+    fit = cache.memory_bytes // (plan.page_size_bytes * plan.num_regions)
+    return max(2, min(fit, 2 * max_num_seqs * per_request + 1))
 
 
 def make_runner(
@@ -35,6 +44,7 @@ def make_runner(
     backend: str = "xla",
     cache: CacheConfig | None = None,
     max_model_len: int = 2048,
+    max_num_seqs: int = 8,
     progress: bool = False,
 ) -> ModelRunner:
     """Load the model and allocate its cache."""
@@ -44,4 +54,5 @@ def make_runner(
     dtype_name = jnp.dtype(dtype or cfg.dtype).name
     plan = make_plan(cfg, cache, tp, dtype_name)
     max_len = min(max_model_len, cfg.max_position_embeddings)
-    return ModelRunner(model, cfg, plan, mesh, num_pages_for(plan, cache), max_len)
+    pages = num_pages_for(plan, cache, max_num_seqs, max_len)
+    return ModelRunner(model, cfg, plan, mesh, pages, max_len)

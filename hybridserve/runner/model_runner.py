@@ -1,8 +1,9 @@
 """The device side: parameters, the cache regions, and the jitted forward step.
 
 Lifecycle:
-  1. `ModelRunner(...)` allocates every region once: uint8 `[tp, num_pages, page_bytes]`,
-     sharded so that each rank owns its pages. Every layer's cache is a typed view of its region.
+  1. `ModelRunner(...)` allocates every region once: uint8 `[tp, num_pages * page_rows,
+     row_bytes]`, sharded so that each rank owns its pages. Every layer's cache is a typed
+     view of its region.
   2. `execute(scheduler_output)` applies the page copies (prefix-cache restores, Mamba
      snapshots), then runs the decode rows (one token each) and the prefill rows (padded chunks)
      as separate bucketed programs, and returns the logits of the rows that sample.
@@ -73,7 +74,14 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
                 )
             else:
                 raise NotImplementedError(f"no runner support for {type(spec).__name__} yet")
-    return CacheLayout(tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes)
+    attention = [a for a in access if isinstance(a, AttentionAccess)]
+    row = plan.page_size_bytes
+    if attention:
+        a = attention[0]
+        row = a.kv_heads_local * a.head_dim * jnp.dtype(a.dtype).itemsize
+    return CacheLayout(
+        tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
+    )
 
 
 @dataclasses.dataclass
@@ -106,12 +114,12 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         tp = plan.tensor_parallel_size
         sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
-        shape = (tp, num_pages, plan.page_size_bytes)
+        shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes)
         self.regions = [
             jnp.zeros(shape, jnp.uint8, device=sharding) for _ in range(plan.num_regions)
         ]
         self._step = jax.jit(self._forward, donate_argnums=(1,), static_argnames=("last_only",))
-        self._copy = jax.jit(apply_page_copies, donate_argnums=(0,))
+        self._copy = jax.jit(apply_page_copies, donate_argnums=(0,), static_argnums=(2,))
 
     @property
     def cache_bytes(self) -> int:
@@ -139,7 +147,7 @@ class ModelRunner:
             return
         arr = np.zeros((bucket(len(copies)), 2), np.int32)
         arr[: len(copies)] = copies
-        self.regions = self._copy(self.regions, jnp.asarray(arr))
+        self.regions = self._copy(self.regions, jnp.asarray(arr), self.layout.page_rows)
 
     def run(self, batch: BatchArrays, last_only: bool = True) -> jax.Array:
         """One forward call; logits [rows, V] of each row's last token (or [rows, T, V])."""

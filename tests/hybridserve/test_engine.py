@@ -11,15 +11,23 @@ from hybridserve.api import DEFAULT_MODEL
 
 
 def _llm(directory, **kw) -> LLM:
-    kw = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 16,
-          "max_num_batched_tokens": 1024, "progress": False, **kw}
+    kw = {
+        "dtype": "float32",
+        "max_model_len": 256,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 1024,
+        "progress": False,
+        **kw,
+    }
     return LLM(directory, **kw)
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(3, 512, size=int(rng.integers(lo, hi))).tolist()}
-            for _ in range(n)]
+    return [
+        {"prompt_token_ids": rng.integers(3, 512, size=int(rng.integers(lo, hi))).tolist()}
+        for _ in range(n)
+    ]
 
 
 def _tokens(outs) -> list[list[int]]:
@@ -29,11 +37,16 @@ def _tokens(outs) -> list[list[int]]:
 def test_sixteen_concurrent_requests_equal_each_alone(hf_checkpoint):
     llm = _llm(hf_checkpoint("nemotron_h")[0])
     prompts = _prompts(16)
-    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=int(8 + 3 * i), seed=100 + i,
-                             ignore_eos=True) for i in range(16)]
+    params = [
+        SamplingParams(
+            temperature=1.0, top_p=0.95, max_tokens=int(8 + 3 * i), seed=100 + i, ignore_eos=True
+        )
+        for i in range(16)
+    ]
     together = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    alone = [_tokens(llm.generate(p, s, use_tqdm=False))[0]
-             for p, s in zip(prompts, params, strict=True)]
+    alone = [
+        _tokens(llm.generate(p, s, use_tqdm=False))[0] for p, s in zip(prompts, params, strict=True)
+    ]
     assert together == alone
     assert [len(t) for t in together] == [8 + 3 * i for i in range(16)]
 
@@ -52,9 +65,12 @@ def test_prefix_cache_hit_gives_the_cold_output(hf_checkpoint):
     assert hit.metrics.num_cached_tokens >= 2 * block
     assert warm.stats()["prefix_cache_hit_rate"] > 0
     assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
-    hot_lp = [lp[t] for lp, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids, strict=True)]
-    cold_lp = [lp[t] for lp, t in zip(cold.outputs[0].logprobs, cold.outputs[0].token_ids,
-                                      strict=True)]
+    hot_lp = [
+        lp[t] for lp, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids, strict=True)
+    ]
+    cold_lp = [
+        lp[t] for lp, t in zip(cold.outputs[0].logprobs, cold.outputs[0].token_ids, strict=True)
+    ]
     np.testing.assert_allclose(hot_lp, cold_lp, atol=1e-4)
 
 
@@ -63,8 +79,7 @@ def test_tensor_parallel_two_gives_the_same_tokens(hf_checkpoint):
     prompts = _prompts(4, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     one = _tokens(_llm(directory).generate(prompts, params, use_tqdm=False))
-    two = _tokens(_llm(directory, tensor_parallel_size=2).generate(prompts, params,
-                                                                   use_tqdm=False))
+    two = _tokens(_llm(directory, tensor_parallel_size=2).generate(prompts, params, use_tqdm=False))
     assert one == two
 
 
@@ -90,9 +105,11 @@ def test_streaming_and_abort(hf_checkpoint):
 
 def test_logprobs_and_min_p(hf_checkpoint):
     llm = _llm(hf_checkpoint("granitemoehybrid")[0])
-    out = llm.generate(_prompts(1, seed=9), SamplingParams(temperature=0.0, max_tokens=6,
-                                                           logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        _prompts(1, seed=9),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.logprobs) == 6
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert len(entry) == 3 and entry[token] == max(entry.values()) <= 0.0
@@ -100,7 +117,8 @@ def test_logprobs_and_min_p(hf_checkpoint):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     p = _prompts(1, seed=9)
     assert _tokens(llm.generate(p, strict, use_tqdm=False)) == _tokens(
-        llm.generate(p, greedy, use_tqdm=False))
+        llm.generate(p, greedy, use_tqdm=False)
+    )
 
 
 def test_stop_strings_on_the_default_model():
@@ -109,8 +127,11 @@ def test_stop_strings_on_the_default_model():
     text = llm.generate("def ", greedy, use_tqdm=False)[0].outputs[0].text
     stop = text[8:12]
     assert stop and stop in text
-    out = llm.generate("def ", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                              stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "def ",
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.text == text[: text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
@@ -119,8 +140,9 @@ def test_a_bad_request_disturbs_nothing(hf_checkpoint):
     llm = _llm(hf_checkpoint("nemotron_h")[0], max_model_len=64)
     good = _prompts(2, seed=11)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate([*good, {"prompt_token_ids": [1, 10**6]}], SamplingParams(max_tokens=4),
-                     use_tqdm=False)
+        llm.generate(
+            [*good, {"prompt_token_ids": [1, 10**6]}], SamplingParams(max_tokens=4), use_tqdm=False
+        )
     assert not llm.engine.has_unfinished()  # nothing of the batch was queued
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 64}, SamplingParams(), use_tqdm=False)

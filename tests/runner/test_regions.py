@@ -27,23 +27,24 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
     cache_layout = build_layout(CFG, plan)
     mamba, attn = cache_layout.layers[0], cache_layout.layers[1]
     assert mamba.region == attn.region == 0  # both live in region 0
-    num_pages, page = 4, plan.page_size_bytes
+    num_pages, rows, width = 4, cache_layout.page_rows, cache_layout.row_bytes
+    assert rows * width == plan.page_size_bytes
     rng = np.random.default_rng(0)
-    region = jnp.asarray(rng.integers(0, 256, (tp, num_pages, page), dtype=np.uint8))
+    region = jnp.asarray(rng.integers(0, 256, (tp, num_pages * rows, width), dtype=np.uint8))
     m = CFG.mamba
     x = jnp.asarray(rng.standard_normal((1, m.intermediate_size, 3)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
     c = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
     ssm = jnp.asarray(rng.standard_normal((1, 4, 8, 8)), jnp.float32)
     pages = jnp.array([2])
-    region = write_mamba(region, mamba, tp, pages, x, b, c, ssm)
-    got = read_mamba(region, mamba, tp, pages)
+    region = write_mamba(region, mamba, tp, pages, rows, x, b, c, ssm)
+    *got, region = read_mamba(region, mamba, tp, pages, rows)
     for want, have in zip((x, b, c, ssm), got, strict=True):
         np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
     # The same page through the attention view: K and V of its kernel blocks, per rank.
     spec = [g.spec for g in plan.groups if g.kind == "mamba"][0]
     kernel_ids = jnp.arange(plan.ratio)[None] + 2 * plan.ratio
-    k, v = read_kv(region, attn, tp, kernel_ids)  # [1, ratio*kb, K, H]
+    k, v, _ = read_kv(region, attn, tp, kernel_ids)  # [1, ratio*kb, K, H]
     kb, heads = plan.kernel_block_size, attn.kv_heads_local
     per_rank = []
     for r in range(tp):
@@ -51,7 +52,7 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
         vr = np.asarray(v)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r]
         page_bytes = np.concatenate([kr, vr], axis=1).view(np.uint8).reshape(-1)
         per_rank.append(page_bytes)
-    state = np.asarray(region)[:, 2, : spec.state_bytes]
+    state = np.asarray(region)[:, 2 * rows : 3 * rows].reshape(tp, -1)[:, : spec.state_bytes]
     for r in range(tp):
         np.testing.assert_array_equal(per_rank[r][: spec.state_bytes], state[r])
         # and the ssm bytes of rank r are the ssm values of its heads
