@@ -1,8 +1,8 @@
 """Host-side (numpy) assembly of one forward call's inputs from scheduled chunks.
 
-Shapes are bucketed to powers of two (rows, tokens per row, kernel blocks per row) so that a
-small set of programs is compiled and reused; padding rows have no tokens and point at the
-null page 0.
+Rows and tokens per row are bucketed to powers of two, and block tables always span
+`max_model_len`, so that a small set of programs is compiled (at warmup) and reused; padding
+rows have no tokens and point at the null page 0.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from hybridserve.core.outputs import ScheduledChunk
 from hybridserve.kv_spec import CachePlan
 
 
-def bucket(n: int, smallest: int = 1, largest: int | None = None) -> int:
-    """The smallest power-of-two multiple of `smallest` that is >= n (capped at `largest`)."""
+def bucket(n: int, smallest: int = 1) -> int:
+    """The smallest power-of-two multiple of `smallest` that is >= n."""
     size = smallest
     while size < n:
         size *= 2
-    return size if largest is None else max(min(size, largest), n)
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,19 @@ class BatchArrays:
     num_rows: int  # real rows (the rest is padding)
 
 
+def table_width(plan: CachePlan, max_model_len: int) -> int:
+    """Kernel blocks in every block table row: enough for `max_model_len` tokens."""
+    return -(-max_model_len // plan.kernel_block_size)
+
+
+def token_buckets(largest: int, smallest: int = 16) -> list[int]:
+    """The tokens-per-row buckets of prefill programs."""
+    sizes = [smallest]
+    while sizes[-1] < largest:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 def build_batch(
     chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, min_tokens: int = 1
 ) -> BatchArrays:
@@ -41,10 +54,8 @@ def build_batch(
     n = len(chunks)
     rows = bucket(n)
     t = bucket(max(len(c.token_ids) for c in chunks), min_tokens)
-    kb, ratio = plan.kernel_block_size, plan.ratio
-    max_blocks = -(-max_model_len // kb)
-    need = max(-(-(c.start + len(c.token_ids)) // kb) for c in chunks)
-    nblk = bucket(need, 4, max_blocks)
+    ratio = plan.ratio
+    nblk = table_width(plan, max_model_len)
     tokens = np.zeros((rows, t), np.int32)
     lengths = np.zeros(rows, np.int32)
     starts = np.zeros(rows, np.int32)

@@ -32,7 +32,13 @@ from hybridserve.layers.cache_view import (
 )
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
-from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch
+from hybridserve.runner.input_batch import (
+    BatchArrays,
+    bucket,
+    build_batch,
+    table_width,
+    token_buckets,
+)
 
 DTYPE_NAMES = {"fp8": "float8_e4m3fn"}
 
@@ -118,8 +124,18 @@ class ModelRunner:
         self.regions = [
             jnp.zeros(shape, jnp.uint8, device=sharding) for _ in range(plan.num_regions)
         ]
-        self._step = jax.jit(self._forward, donate_argnums=(1,), static_argnames=("last_only",))
-        self._copy = jax.jit(apply_page_copies, donate_argnums=(0,), static_argnums=(2,))
+        # Fixed output shardings: the regions come back exactly as they went in, so a copy
+        # followed by a step (or the reverse) never looks like a new input to either program.
+        regions_out = [sharding] * plan.num_regions
+        self._step = jax.jit(
+            self._forward,
+            donate_argnums=(1,),
+            static_argnames=("last_only",),
+            out_shardings=(NamedSharding(mesh, PartitionSpec()), regions_out),
+        )
+        self._copy = jax.jit(
+            apply_page_copies, donate_argnums=(0,), static_argnums=(2,), out_shardings=regions_out
+        )
 
     @property
     def cache_bytes(self) -> int:
@@ -177,6 +193,31 @@ class ModelRunner:
                     got[c.req_id] = logits[i]
         order = [c.req_id for c in out.chunks if c.sample]
         return StepLogits(order, jnp.stack([got[r] for r in order]) if order else None)
+
+    def warmup(self, max_num_seqs: int, max_prefill_chunk: int) -> int:
+        """Compile every program `execute` can need for batches of up to `max_num_seqs` rows and
+        prefill chunks of up to `max_prefill_chunk` tokens (dummy rows on the null page).
+        Returns the number of programs."""
+        rows = token_buckets(bucket(max_num_seqs), 1)
+        width = table_width(self.plan, self.max_model_len)
+        shapes = [(b, 1) for b in rows]
+        shapes += [(b, t) for b in rows for t in token_buckets(max(max_prefill_chunk, 16))]
+        for b, t in shapes:
+            tables = tuple(
+                np.zeros((b,), np.int32) if g.kind == "mamba" else np.zeros((b, width), np.int32)
+                for g in self.plan.groups
+            )
+            batch = BatchArrays(
+                np.zeros((b, t), np.int32),
+                np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+                np.full(b, t, np.int32),
+                tables,
+                b,
+            )
+            self.run(batch)
+        self.copy_pages([(0, 0)])
+        jax.block_until_ready(self.regions)
+        return len(shapes) + 1
 
     def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
         """All-position logits [T, V] of one chunk (for checks and verification)."""

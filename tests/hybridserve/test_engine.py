@@ -151,3 +151,15 @@ def test_a_bad_request_disturbs_nothing(hf_checkpoint):
             SamplingParams(**kwargs)
     out = llm.generate(good, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) >= 1 for o in out)
+
+
+def test_no_recompilation_after_warmup(hf_checkpoint):
+    llm = _llm(hf_checkpoint("nemotron_h")[0], max_num_seqs=4, max_prefill_chunk=32,
+               max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    programs = runner.warmup(4, 32)
+    compiled = runner._step._cache_size()
+    assert compiled == programs - 1  # every forward program, plus the page-copy one
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=0, ignore_eos=True)
+    llm.generate(_prompts(9, seed=21, lo=1, hi=90), params, use_tqdm=False)
+    assert runner._step._cache_size() == compiled
