@@ -97,6 +97,12 @@ def _generate(args: argparse.Namespace) -> int:
     )
     rate = decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else float("nan")
     print(f"output tokens: {n_out} in {total_s:.2f}s; decode {rate:.1f} tokens/s")
+    stats = llm.stats()
+    print(
+        f"prefix cache: {stats['prefix_cache_hit_tokens']} of "
+        f"{stats['prefix_cache_queried_tokens']} prompt tokens reused "
+        f"(hit rate {stats['prefix_cache_hit_rate']:.0%})"
+    )
     return 0
 
 
