@@ -2,14 +2,15 @@
 
 A region is one uint8 buffer `[tp, num_pages * page_rows, row_bytes]` (sharded over "tp" on axis
 0: each rank owns the bytes of its own pages); page p is rows `[p * page_rows, (p+1) * page_rows)`
-and a row is one token's K (or V). The buffer is never reshaped: XLA then updates it in place.
-Every layer reads and writes its cache through a typed view of its region: the attention view
-and the Mamba view of one page are the same bytes.
+and a row is one head's K (or V) of one token. The buffer is never reshaped: XLA then updates it
+in place. Every layer reads and writes its cache through a typed view of its region: the
+attention view and the Mamba view of one page are the same bytes.
 
 Page layouts (per rank, `kb` = kernel block, `ratio` kernel blocks per page):
-  attention: `ratio` kernel pages, each `[K (kb tokens) | V (kb tokens)]`, a token's K (or V)
-             being `[kv_heads_local, head_dim]`. Row r of the view `[pages*ratio*2*kb, ...]`
-             holds one token's K or V: `r = (kernel_block * 2 + kv) * kb + slot`.
+  attention: `ratio` kernel pages, each `[K | V]`, each half head-major (HND):
+             `[kv_heads_local, kb tokens, head_dim]`, so that one rank's share of the heads is
+             one contiguous range (heterogeneous-TP transfers read it with one descriptor).
+             A row is one head's one token: `r = ((kernel_block * 2 + kv) * heads + h) * kb + s`.
   mamba:     `[conv x | conv B | conv C | ssm | padding]` in the DS layout (each of x, B, C is
              `[channels_local, W-1]`), or `[conv (W-1, conv_dim_local) | ssm | padding]` in SD.
 
@@ -74,7 +75,7 @@ class CacheLayout:
     tp: int
     ratio: int
     page_bytes: int
-    row_bytes: int  # one token's K (or V) per rank; the whole page without attention
+    row_bytes: int  # one head's K (or V) of one token; the whole page without attention
 
     @property
     def page_rows(self) -> int:
@@ -144,33 +145,33 @@ def write_kv(
     v: jax.Array,
 ) -> jax.Array:
     """Write new tokens' K and V ([B, T, K, H]) at their positions through the block table
-    ([B, nblk] kernel block ids); padding tokens go to row 0 of the null page."""
-    kb = acc.kernel_block
-    rows_view = region
+    ([B, nblk] kernel block ids); padding tokens go to the null page's rows."""
+    kb, heads = acc.kernel_block, acc.kv_heads_local
     idx = jnp.clip(positions // kb, 0, table.shape[1] - 1)
-    kid = jnp.take_along_axis(table, idx, axis=1)
-    base = kid * 2 * kb + positions % kb
-    k_rows = jnp.where(valid, base, 0)
-    v_rows = jnp.where(valid, base + kb, 0)
+    kid = jnp.take_along_axis(table, idx, axis=1)  # [B, T]
+    head = jnp.arange(heads)[None, None, :]
+    k_rows = ((kid[..., None] * 2) * heads + head) * kb + (positions % kb)[..., None]
+    k_rows = jnp.where(valid[..., None], k_rows, head * kb)  # [B, T, heads_local]
+    v_rows = jnp.where(valid[..., None], k_rows + heads * kb, head * kb)
     dup = acc.dup(tp)
     for rows, val in ((k_rows, k), (v_rows, v)):
-        per_rank = split_tp(duplicate(val, 2, dup), 2, tp)  # [tp, B, T, K_loc, H]
-        rows_view = rows_view.at[:, rows].set(to_raw(per_rank, acc.dtype, 2), mode=IN_BOUNDS)
-    return rows_view
+        per_rank = split_tp(duplicate(val, 2, dup), 2, tp)  # [tp, B, T, heads_local, H]
+        region = region.at[:, rows].set(to_raw(per_rank, acc.dtype, 3), mode=IN_BOUNDS)
+    return region
 
 
 def read_kv(
     region: jax.Array, acc: AttentionAccess, tp: int, table: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """K and V of every block in `table` ([B, nblk]) as [B, nblk*kb, K, H] each."""
-    kb = acc.kernel_block
-    rows_view = region
-    base = table[:, :, None] * 2 * kb + jnp.arange(kb)[None, None, :]  # [B, nblk, kb]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """K and V of every block in `table` ([B, nblk]) as [B, nblk*kb, K, H] each, and the
+    region."""
+    kb, heads = acc.kernel_block, acc.kv_heads_local
+    hs, slot = jnp.arange(heads)[:, None], jnp.arange(kb)[None, :]
+    base = ((table[:, :, None, None] * 2) * heads + hs) * kb + slot  # [B, nblk, heads, kb]
     out = []
-    for rows in (base, base + kb):
-        typed = from_raw(
-            rows_view.at[:, rows].get(mode=IN_BOUNDS), acc.dtype, (acc.kv_heads_local, acc.head_dim)
-        )
+    for rows in (base, base + heads * kb):
+        typed = from_raw(region.at[:, rows].get(mode=IN_BOUNDS), acc.dtype, (acc.head_dim,))
+        typed = jnp.swapaxes(typed, 3, 4)  # [tp, B, nblk, kb, heads_local, H]
         full = merge_tp(typed, 3)  # [B, nblk, kb, K*dup, H]
         full = undup(full, 3, acc.dup(tp))
         out.append(full.reshape(full.shape[0], -1, *full.shape[3:]))

@@ -84,7 +84,7 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
     row = plan.page_size_bytes
     if attention:
         a = attention[0]
-        row = a.kv_heads_local * a.head_dim * jnp.dtype(a.dtype).itemsize
+        row = a.head_dim * jnp.dtype(a.dtype).itemsize  # one head, one token
     return CacheLayout(
         tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
     )

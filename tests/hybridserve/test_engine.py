@@ -154,8 +154,12 @@ def test_a_bad_request_disturbs_nothing(hf_checkpoint):
 
 
 def test_no_recompilation_after_warmup(hf_checkpoint):
-    llm = _llm(hf_checkpoint("nemotron_h")[0], max_num_seqs=4, max_prefill_chunk=32,
-               max_num_batched_tokens=64)
+    llm = _llm(
+        hf_checkpoint("nemotron_h")[0],
+        max_num_seqs=4,
+        max_prefill_chunk=32,
+        max_num_batched_tokens=64,
+    )
     runner = llm.engine.runner
     programs = runner.warmup(4, 32)
     compiled = runner._step._cache_size()

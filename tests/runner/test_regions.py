@@ -48,8 +48,9 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
     kb, heads = plan.kernel_block_size, attn.kv_heads_local
     per_rank = []
     for r in range(tp):
-        kr = np.asarray(k)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r]
-        vr = np.asarray(v)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r]
+        # HND within each half: [heads, kb tokens, head_dim]
+        kr = np.asarray(k)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r].transpose(0, 2, 1, 3)
+        vr = np.asarray(v)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r].transpose(0, 2, 1, 3)
         page_bytes = np.concatenate([kr, vr], axis=1).view(np.uint8).reshape(-1)
         per_rank.append(page_bytes)
     state = np.asarray(region)[:, 2 * rows : 3 * rows].reshape(tp, -1)[:, : spec.state_bytes]
