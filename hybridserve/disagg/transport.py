@@ -1,0 +1,151 @@
+"""A NIXL agent over the cache regions: registration once, prepared descriptor lists, READ and
+WRITE by descriptor index, completion polling and notifications.
+
+The NIXL Python package is `nixl_cu12` on CPU machines (UCX on host memory), `nixl_cu13` or
+`nixl` on GPU machines; `import_nixl()` takes whichever is installed. Region buffers are
+registered by raw address (JAX buffers do not move: the runner donates them to every step), so
+the same memory is read by the model and by remote agents with no copy.
+
+Lifecycle:
+  1. `NixlTransport(name, buffers)` creates the agent (UCX) and registers every buffer once.
+  2. Peers exchange `metadata()` over the side channel and call `add_peer(metadata)`.
+  3. `prepare(descs, peer=None)` prepares a descriptor list once (local, or a peer's memory);
+     per request only index lists are built.
+  4. `start(op, local, local_ids, remote, remote_ids, notif)` posts a READ or WRITE; `poll`
+     reports "DONE", "PROC" or raises on "ERR"; `release` frees the transfer handle.
+  5. `notifications()` drains messages from peers; `notify(peer, msg)` sends one.
+  6. `close()` releases everything and deregisters the memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from hybridserve.disagg.handshake import HandshakeError
+
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+LOCAL = "NIXL_INIT_AGENT"
+
+
+class TransferError(RuntimeError):
+    """A NIXL transfer failed or NIXL is unusable here."""
+
+
+def import_nixl() -> ModuleType:
+    """The installed NIXL Python API (`nixl`, `nixl_cu13` or `nixl_cu12`)."""
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError as err:
+            errors.append(f"{name}: {err}")
+    raise TransferError(
+        "NIXL is not installed (pip install -e '.[cpu]' brings nixl-cu12): " + "; ".join(errors)
+    )
+
+
+class NixlTransport:
+    """One NIXL agent over a fixed set of buffers (see the module docstring).
+
+    Args:
+      name: the agent name (unique per worker rank).
+      buffers: (address, length, device id) of every region buffer.
+      mem_type: "DRAM" for host memory, "VRAM" for GPU memory.
+    """
+
+    def __init__(
+        self, name: str, buffers: list[tuple[int, int, int]], mem_type: str = "DRAM"
+    ) -> None:
+        api = import_nixl()
+        self.name, self.mem_type = name, mem_type
+        try:
+            self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        except Exception as err:  # the bindings raise plain Exceptions
+            raise TransferError(
+                f"cannot start a NIXL agent with UCX: {err} (UCX needs `tcp` "
+                "among its transports: check UCX_TLS)"
+            ) from err
+        self._registered = self.agent.register_memory(
+            [(addr, length, dev, "") for addr, length, dev in buffers], mem_type
+        )
+        self._handles: list[Any] = []
+        self.peers: set[str] = set()
+
+    def metadata(self) -> bytes:
+        """This agent's metadata, for peers' `add_peer`."""
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name."""
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as err:
+            raise HandshakeError(f"NIXL rejected the peer's agent metadata: {err}") from err
+        name = name.decode() if isinstance(name, bytes) else name
+        self.peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if name in self.peers:
+            self.agent.remove_remote_agent(name)
+            self.peers.discard(name)
+
+    def prepare(self, descs: list[tuple[int, int, int]], peer: str | None = None) -> Any:
+        """Prepare a descriptor list once: local memory, or `peer`'s memory."""
+        handle = self.agent.prep_xfer_dlist(peer or LOCAL, descs, self.mem_type)
+        self._handles.append(handle)
+        return handle
+
+    def start(
+        self,
+        op: str,
+        local: Any,
+        local_ids: list[int],
+        remote: Any,
+        remote_ids: list[int],
+        notif: bytes = b"",
+    ) -> Any:
+        """Post a READ (pull remote -> local) or WRITE (push local -> remote)."""
+        if op not in ("READ", "WRITE"):
+            raise ValueError(f"op must be READ or WRITE, got {op!r}")
+        if len(local_ids) != len(remote_ids):
+            raise ValueError(f"{len(local_ids)} local descriptors but {len(remote_ids)} remote")
+        xfer = self.agent.make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif)
+        state = self.agent.transfer(xfer)
+        if state == "ERR":
+            self.agent.release_xfer_handle(xfer)
+            raise TransferError(f"NIXL could not post the {op}")
+        return xfer
+
+    def poll(self, xfer: Any) -> str:
+        """ "DONE" or "PROC"; raises TransferError when the transfer failed."""
+        state = self.agent.check_xfer_state(xfer)
+        if state == "ERR":
+            raise TransferError("NIXL transfer failed")
+        return state
+
+    def backend_of(self, xfer: Any) -> str:
+        """The backend NIXL chose for a transfer (e.g. "UCX")."""
+        return self.agent.query_xfer_backend(xfer)
+
+    def release(self, xfer: Any) -> None:
+        self.agent.release_xfer_handle(xfer)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notification messages, by sending agent name."""
+        notes = self.agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in notes.items()}
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self.agent.send_notif(peer, message)
+
+    def close(self) -> None:
+        """Release prepared lists and deregister the memory (idempotent)."""
+        for handle in self._handles:
+            handle.release()
+        self._handles.clear()
+        if self._registered is not None:
+            self.agent.deregister_memory(self._registered)
+            self._registered = None
