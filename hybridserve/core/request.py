@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     recompute their prompt and outputs; the FINISHED_* states are final."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -59,6 +60,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    hold_pages: bool = False  # P/D prefill side: keep the pages after finishing until released
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

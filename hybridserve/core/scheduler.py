@@ -15,6 +15,12 @@ limit (`max_num_seqs` running requests):
 Prefill and decode chunks mix in one step. `update_from_output(out, sampled)` then advances the
 requests, appends sampled tokens, applies the stop rules and frees finished requests.
 
+Disaggregated prefill/decode: on the prefill side a request with `hold_pages` keeps its pages
+after it finishes (`held_tables`) until `release_held` (the decode side has read them, or the
+lease expired). On the decode side `add_remote_request` allocates the pages of the tokens another
+worker computed and parks the request (WAITING_FOR_REMOTE_KV) until `finish_remote_kv` reports
+the transfer: done (the request runs from there) or failed (it recomputes from scratch).
+
 `schedule()` and `update_from_output()` alternate: a non-empty output must be updated before the
 next schedule. `abort_request` and `finish_request` may be called at any time; a request
 aborted while its step is in flight has its pages freed at once (nothing reuses them before the
@@ -55,6 +61,8 @@ class Scheduler:
         self._counter = 0
         self._in_flight: SchedulerOutput | None = None
         self._in_flight_ids: set[str] = set()
+        self.held: dict[str, Request] = {}  # finished, pages kept for a remote reader
+        self.remote: dict[str, int] = {}  # parked for remote KV: req_id -> external tokens
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -232,11 +240,77 @@ class Scheduler:
         """Drop a request that just got a FINISHED_* status from the queues and the cache."""
         del self.requests[request.req_id]
         del self._order[request.req_id]
+        self.remote.pop(request.req_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.coordinator.free(request, keep_state)
+        if request.hold_pages and request.finish_reason != "abort":
+            self.held[request.req_id] = request
+        else:
+            self.coordinator.free(request, keep_state)
+
+    # -- disaggregated prefill/decode -------------------------------------------------------
+
+    def held_tables(self, req_id: str) -> tuple[tuple[int, ...], ...]:
+        """Block tables of a finished request whose pages are held for a remote reader."""
+        return self.coordinator.block_tables(self.held[req_id])
+
+    def release_held(self, req_id: str) -> bool:
+        """Free the pages of a held request (read by the decode side, or its lease expired)."""
+        request = self.held.pop(req_id, None)
+        if request is None:
+            return False
+        self.coordinator.free(request, keep_state=True)
+        return True
+
+    def add_remote_request(
+        self, request: Request, num_external_tokens: int
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """Allocate pages for the first `num_external_tokens` tokens, which another worker
+        computed, and park the request until `finish_remote_kv`. Returns the block tables to
+        fill, or None when there are no seats or pages now (nothing changes; retry later)."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request {request.req_id!r} is already queued")
+        if not 0 < num_external_tokens < request.num_prompt_tokens:
+            raise ValueError(
+                f"request {request.req_id!r}: {num_external_tokens} external tokens "
+                f"for a prompt of {request.num_prompt_tokens}"
+            )
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r}: the prompt has "
+                f"{request.num_prompt_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}"
+            )
+        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+            return None
+        if not self.coordinator.allocate_slots(request, num_external_tokens):
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.req_id] = request
+        self._order[request.req_id] = self._counter
+        self._counter += 1
+        self.remote[request.req_id] = num_external_tokens
+        return self.coordinator.block_tables(request)
+
+    def finish_remote_kv(self, req_id: str, ok: bool) -> None:
+        """The transfer for a parked request ended. ok: its tokens count as computed and it runs
+        next; not ok: its pages are freed and it recomputes from scratch (queued first)."""
+        n = self.remote.pop(req_id, None)
+        request = self.requests.get(req_id)
+        if n is None or request is None:
+            return
+        if ok:
+            request.num_computed_tokens = n
+            self.coordinator.on_computed(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            self.coordinator.free(request, keep_state=False)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _too_small(self, request: Request, n: int) -> PoolTooSmall:
         c = self.coordinator
