@@ -1,0 +1,373 @@
+"""One rank's cache layout as NIXL sees it, its dual descriptor view, and block id -> descriptor id.
+
+Memory (per rank, see `hybridserve.layers.cache_view`): `T` regions, region i at base `A_i`,
+`num_pages` pages of `page_bytes`; page p (a logical block id) is at `A_i + p * page_bytes`.
+  attention: `ratio` kernel pages of `kpage = page_bytes / ratio`; kernel block `k = p*ratio + j`
+             is `[K | V]` at `A_i + k*kpage`, each half head-major `[heads_local, kb, head_dim]`:
+             K_i[k] = `(A_i + k*kpage, kpage/2)`, V_i[k] = `(A_i + k*kpage + kpage/2, kpage/2)`.
+  mamba (DS): `[x (x_local, rows) | B (bc_local, rows) | C | ssm (heads, head_dim, state) | pad]`:
+             x_i[b] = `(A_i + b*page, x_bytes)`, B_i[b] = `(+x_bytes, bc_bytes)`,
+             C_i[b] = `(+x_bytes + bc_bytes, bc_bytes)`, ssm_i[b] = `(+conv_bytes, ssm_bytes)`.
+             In SD (`[conv (rows, conv_local) | ssm | pad]`) the same three conv ranges are plain
+             byte chunks of the conv, not its x/B/C channels: valid only when both sides have the
+             same TP (the conv then moves verbatim); heterogeneous TP needs DS.
+Padding is never inside a descriptor.
+
+Dual view (ONE list; `N_phys = num_pages * ratio`, `N_log = num_pages`; a section is present only
+when a group of its kind is):
+  FA:  for i in 0..T-1: K_i[0..N_phys-1], V_i[0..N_phys-1]          -> 2T * N_phys entries
+  SSM: for i in 0..T-1: x_i[0..N_log-1], B_i[..], C_i[..], ssm_i[..]  -> 4T * N_log entries
+Descriptor ids (per group, in plan order, region-major): attention ids expand to kernel ids
+`k = p*ratio + j`, then `r*N_phys + k` for r in 0..2T-1 (r = 2i + {K:0, V:1}); Mamba ids give
+`fa + s*N_log + b` for s = 4i + j, j in (x, B, C, ssm), with `fa = 2T*N_phys` (0 without FA).
+
+Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
+(rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hybridserve.config import ModelConfig
+from hybridserve.kv_spec import (
+    CachePlan,
+    FullAttentionSpec,
+    MambaSpec,
+    dtype_bytes,
+    replicated_size,
+)
+
+FA_KINDS = ("full_attention", "sliding_window")
+GROUP_KINDS = (*FA_KINDS, "mamba")
+MAMBA_PARTS = ("x", "B", "C", "ssm")  # j in s = 4i + j
+COMPONENTS = ("kv", *MAMBA_PARTS)
+ALL_COMPONENTS = frozenset(COMPONENTS)
+DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
+DS_HINT = "set HYBRIDSERVE_SSM_CONV_LAYOUT=DS on both prefill and decode"
+# Not in the compatibility key: they may differ between prefill and decode (or between ranks).
+PER_SIDE_FIELDS = ("tp_size", "tp_rank", "device_id", "region_bases", "num_pages", "page_bytes")
+PER_SIDE_FIELDS += ("ratio",)
+
+
+def held_range(total: int, tp: int, rank: int, what: str = "heads") -> range:
+    """Global indices of `total` heads/groups that rank `rank` of `tp` holds:
+    `[rank*total/tp, (rank+1)*total/tp)` when tp | total, else `{rank // (tp/total)}`."""
+    n = replicated_size(total, tp, what)
+    start = rank * n if total % tp == 0 else rank // (tp // total)
+    return range(start, start + n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slab:
+    """One head/group-sharded component of a page on one rank: this rank's units start `base`
+    bytes into the K half (kv) or the state page (x, B, C, ssm), `unit` bytes per global index
+    in `held`."""
+
+    name: str
+    base: int
+    unit: int
+    held: range
+
+    @property
+    def nbytes(self) -> int:
+        return self.unit * len(self.held)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """One rank's cache memory, as advertised in the handshake (`to_dict` / `from_dict`).
+    Dtypes are names (`kv_spec.DTYPE_BYTES`); fields of an absent kind stay 0 / ""."""
+
+    tp_size: int
+    tp_rank: int
+    device_id: int
+    region_bases: tuple[int, ...]
+    num_pages: int
+    page_bytes: int
+    ratio: int  # kernel pages per logical page (this side)
+    kernel_block: int
+    group_kinds: tuple[str, ...]  # CachePlan order
+    group_layers: tuple[tuple[int | None, ...], ...]  # group g's layer in region i (None: pad)
+    kv_heads: int = 0  # global KV heads
+    head_dim: int = 0
+    kv_dtype: str = ""
+    sliding_window: int = 0
+    mamba_heads: int = 0  # global
+    mamba_head_dim: int = 0
+    state_size: int = 0
+    n_groups: int = 0  # global B/C groups
+    conv_rows: int = 0  # conv_kernel - 1
+    conv_dtype: str = ""
+    ssm_dtype: str = ""
+    conv_layout: str = ""  # DS | SD
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid cache layout: {message}")
+
+        need(0 <= self.tp_rank < self.tp_size, f"tp_rank {self.tp_rank} / tp {self.tp_size}")
+        need(len(self.region_bases) > 0, "no regions")
+        need(self.num_pages > 0 and self.page_bytes > 0, "empty pool")
+        need(self.ratio > 0 and self.page_bytes % self.ratio == 0, "page not a ratio multiple")
+        need(len(self.group_kinds) == len(self.group_layers) > 0, "group kinds/layers")
+        bad = sorted(set(self.group_kinds) - set(GROUP_KINDS))
+        need(not bad, f"unknown group kinds {bad}")
+        need(all(len(g) == self.num_regions for g in self.group_layers), "group width != T")
+        if self.has_attention:
+            need(self.kv_heads > 0 and self.head_dim > 0, "attention dims")
+            need(2 * self.kv_half_bytes == self.kernel_page_bytes, "kernel page != K + V")
+        if self.has_mamba:
+            need(self.mamba_heads % self.tp_size == 0, "mamba heads not divisible by tp")
+            need(self.conv_layout in ("DS", "SD"), f"conv layout {self.conv_layout!r}")
+            need(self.state_bytes <= self.page_bytes, "Mamba state larger than a page")
+
+    # --- construction and the wire form --------------------------------------------------
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: CachePlan,
+        cfg: ModelConfig,
+        *,
+        tp_rank: int,
+        region_bases: Sequence[int],
+        num_pages: int,
+        device_id: int = 0,
+    ) -> RankLayout:
+        """The layout of rank `tp_rank` of an engine built from `plan` (dtypes from its specs)."""
+        if len(region_bases) != plan.num_regions:
+            raise ValueError(f"{len(region_bases)} region bases for {plan.num_regions} regions")
+        kinds = tuple(g.kind for g in plan.groups)
+        if any(k not in GROUP_KINDS for k in kinds):
+            raise ValueError(f"no transfer support for group kinds {kinds}")
+        fields: dict[str, Any] = {}
+        attn = [g.spec for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
+        if attn:
+            a = cfg.attention
+            fields.update(
+                kv_heads=a.num_kv_heads,
+                head_dim=attn[0].head_dim,
+                kv_dtype=_canonical(attn[0].dtype),
+                sliding_window=a.sliding_window or 0,
+            )
+        mamba = [g.spec for g in plan.groups if isinstance(g.spec, MambaSpec)]
+        if mamba:
+            m, spec = cfg.mamba, mamba[0]
+            fields.update(
+                mamba_heads=m.num_heads,
+                mamba_head_dim=m.head_dim,
+                state_size=m.state_size,
+                n_groups=m.n_groups,
+                conv_rows=spec.conv_rows,
+                conv_dtype=_canonical(spec.conv_dtype),
+                ssm_dtype=_canonical(spec.ssm_dtype),
+                conv_layout=spec.layout,
+            )
+        layout = cls(
+            tp_size=plan.tensor_parallel_size,
+            tp_rank=tp_rank,
+            device_id=device_id,
+            region_bases=tuple(int(b) for b in region_bases),
+            num_pages=num_pages,
+            page_bytes=plan.page_size_bytes,
+            ratio=plan.ratio,
+            kernel_block=plan.kernel_block_size,
+            group_kinds=kinds,
+            group_layers=tuple(g.layers for g in plan.groups),
+            **fields,
+        )
+        if attn and attn[0].num_kv_heads != len(layout.kv_slab.held):
+            raise ValueError("the attention spec and the layout disagree on the local KV heads")
+        if mamba and mamba[0].state_bytes != layout.state_bytes:
+            raise ValueError("the Mamba spec and the layout disagree on the state size")
+        return layout
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain ints/strings/lists (and None in `group_layers`), e.g. for msgpack."""
+        out = dataclasses.asdict(self)
+        out["region_bases"] = list(self.region_bases)
+        out["group_kinds"] = list(self.group_kinds)
+        out["group_layers"] = [list(g) for g in self.group_layers]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankLayout:
+        """Inverse of `to_dict`; unknown or missing fields raise ValueError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown cache layout fields {unknown}")
+        kwargs = dict(data)
+        try:
+            kwargs["region_bases"] = tuple(data["region_bases"])
+            kwargs["group_kinds"] = tuple(data["group_kinds"])
+            kwargs["group_layers"] = tuple(tuple(g) for g in data["group_layers"])
+            return cls(**kwargs)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed cache layout: {e}") from None
+
+    def compatibility_key(self) -> dict[str, Any]:
+        """What prefill and decode must agree on: model dims, dtypes, kernel block, conv layout,
+        groups (kinds and layers, hence T). Not TP, rank, device, bases, pool size or ratio."""
+        return {
+            f.name: _plain(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in PER_SIDE_FIELDS
+        }
+
+    def compatibility_hash(self) -> str:
+        """A stable sha256 of `compatibility_key()`, for a first-stage handshake check."""
+        text = json.dumps(self.compatibility_key(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    # --- geometry --------------------------------------------------------------------------
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.region_bases)
+
+    @property
+    def has_attention(self) -> bool:
+        return any(k in FA_KINDS for k in self.group_kinds)
+
+    @property
+    def has_mamba(self) -> bool:
+        return "mamba" in self.group_kinds
+
+    @property
+    def n_phys(self) -> int:
+        """Kernel blocks per region: `num_pages * ratio`."""
+        return self.num_pages * self.ratio
+
+    @property
+    def n_log(self) -> int:
+        return self.num_pages
+
+    @property
+    def kernel_page_bytes(self) -> int:
+        return self.page_bytes // self.ratio
+
+    @property
+    def kv_slab(self) -> Slab:
+        """K half: one head's kernel block, `kb * head_dim * kv_bytes`, per held head."""
+        unit = self.kernel_block * self.head_dim * dtype_bytes(self.kv_dtype)
+        return Slab("kv", 0, unit, held_range(self.kv_heads, self.tp_size, self.tp_rank))
+
+    @property
+    def kv_half_bytes(self) -> int:
+        return self.kv_slab.nbytes
+
+    @property
+    def mamba_slabs(self) -> tuple[Slab, Slab, Slab, Slab]:
+        """x (`head_dim*rows*conv_bytes` per head), B and C (`state*rows*conv_bytes` per group),
+        ssm (`head_dim*state*ssm_bytes` per head), at `0, x, x + bc, x + 2bc`."""
+        tp, rank = self.tp_size, self.tp_rank
+        heads = held_range(self.mamba_heads, tp, rank, "mamba num_heads")
+        groups = held_range(self.n_groups, tp, rank, "mamba n_groups")
+        conv = self.conv_rows * dtype_bytes(self.conv_dtype)
+        x = Slab("x", 0, self.mamba_head_dim * conv, heads)
+        b = Slab("B", x.nbytes, self.state_size * conv, groups)
+        c = Slab("C", x.nbytes + b.nbytes, b.unit, groups)
+        ssm_unit = self.mamba_head_dim * self.state_size * dtype_bytes(self.ssm_dtype)
+        return x, b, c, Slab("ssm", c.base + c.nbytes, ssm_unit, heads)
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.mamba_slabs[3].base
+
+    @property
+    def state_bytes(self) -> int:
+        """Conv + ssm: the bytes of a state page that are not padding."""
+        ssm = self.mamba_slabs[3]
+        return ssm.base + ssm.nbytes
+
+
+def check_compatible(local: RankLayout, remote: RankLayout) -> None:
+    """Raise ValueError naming the first field of `compatibility_key` the two sides disagree on."""
+    a, b = local.compatibility_key(), remote.compatibility_key()
+    for name in a:
+        if a[name] != b[name]:
+            raise ValueError(
+                f"prefill/decode cache layouts disagree on {name}: "
+                f"local {a[name]!r}, remote {b[name]!r}"
+            )
+
+
+def _canonical(dtype: str) -> str:
+    dtype_bytes(dtype)  # validates
+    return DTYPE_ALIASES.get(dtype, dtype)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --- descriptor lists --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DescRun:
+    """`count` descriptors `(addr + n*stride, length)` for n in 0..count-1: one sub-region of the
+    dual view (one entry per kernel block for K/V, per logical page for x/B/C/ssm)."""
+
+    addr: int
+    stride: int
+    count: int
+    length: int
+
+
+Pieces = dict[str, tuple[int, int]]  # component -> (offset in the K half or state page, length)
+
+
+def expand_runs(runs: Iterable[DescRun], device: int) -> list[tuple[int, int, int]]:
+    """The `(addr, len, device)` descriptors of `runs`, in order."""
+    return [(r.addr + n * r.stride, r.length, device) for r in runs for n in range(r.count)]
+
+
+def view_runs(layout: RankLayout, pieces: Pieces) -> tuple[DescRun, ...]:
+    """The dual view of `layout` (module docstring order) where every page moves, of each
+    component, the byte range `pieces[name] = (offset, length)`: K at `A_i + k*kpage + offset`,
+    V `kpage/2` further; x/B/C/ssm at `A_i + b*page + offset`."""
+    runs = []
+    if layout.has_attention:
+        off, n = pieces["kv"]
+        kpage, half = layout.kernel_page_bytes, layout.kv_half_bytes
+        for base in layout.region_bases:
+            runs += [DescRun(base + h + off, kpage, layout.n_phys, n) for h in (0, half)]
+    if layout.has_mamba:
+        for base in layout.region_bases:
+            for name in MAMBA_PARTS:
+                off, n = pieces[name]
+                runs.append(DescRun(base + off, layout.page_bytes, layout.n_log, n))
+    return tuple(runs)
+
+
+def slabs(layout: RankLayout) -> tuple[Slab, ...]:
+    """This rank's sharded components: kv (with attention), then x, B, C, ssm (with Mamba)."""
+    kv = (layout.kv_slab,) if layout.has_attention else ()
+    return kv + (layout.mamba_slabs if layout.has_mamba else ())
+
+
+def local_runs(layout: RankLayout) -> tuple[DescRun, ...]:
+    """The full local dual view as runs (whole K/V halves, whole x/B/C/ssm)."""
+    return view_runs(layout, {s.name: (s.base, s.nbytes) for s in slabs(layout)})
+
+
+def local_descriptors(layout: RankLayout) -> list[tuple[int, int, int]]:
+    """The full local dual view: `2T*N_phys` K/V then `4T*N_log` x/B/C/ssm descriptors."""
+    return expand_runs(local_runs(layout), layout.device_id)
+
+
+def view_size(layout: RankLayout) -> int:
+    """Entries in the dual view: `2T*N_phys` (with attention) + `4T*N_log` (with Mamba)."""
+    fa = 2 * layout.num_regions * layout.n_phys if layout.has_attention else 0
+    return fa + (4 * layout.num_regions * layout.n_log if layout.has_mamba else 0)
