@@ -1,4 +1,4 @@
-"""One rank's cache layout as NIXL sees it, its dual descriptor view, and block id -> descriptor id.
+"""One rank's cache layout as NIXL sees it (`RankLayout`, the handshake form) and its dual view.
 
 Memory (per rank, see `hybridserve.layers.cache_view`): `T` regions, region i at base `A_i`,
 `num_pages` pages of `page_bytes`; page p (a logical block id) is at `A_i + p * page_bytes`.
@@ -17,9 +17,10 @@ Dual view (ONE list; `N_phys = num_pages * ratio`, `N_log = num_pages`; a sectio
 when a group of its kind is):
   FA:  for i in 0..T-1: K_i[0..N_phys-1], V_i[0..N_phys-1]          -> 2T * N_phys entries
   SSM: for i in 0..T-1: x_i[0..N_log-1], B_i[..], C_i[..], ssm_i[..]  -> 4T * N_log entries
-Descriptor ids (per group, in plan order, region-major): attention ids expand to kernel ids
-`k = p*ratio + j`, then `r*N_phys + k` for r in 0..2T-1 (r = 2i + {K:0, V:1}); Mamba ids give
-`fa + s*N_log + b` for s = 4i + j, j in (x, B, C, ssm), with `fa = 2T*N_phys` (0 without FA).
+Descriptor ids (`tp_mapping.descriptor_ids`; per group in plan order, region-major): logical
+attention ids expand to kernel ids `k = p*ratio + j`, then `r*N_phys + k` for r in 0..2T-1
+(r = 2i + {K:0, V:1}); Mamba ids give `fa + s*N_log + b` for s = 4i + j, j in (x, B, C, ssm),
+with `fa = 2T*N_phys` (0 without FA).
 
 Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
 (rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).
@@ -51,8 +52,9 @@ ALL_COMPONENTS = frozenset(COMPONENTS)
 DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
 DS_HINT = "set HYBRIDSERVE_SSM_CONV_LAYOUT=DS on both prefill and decode"
 # Not in the compatibility key: they may differ between prefill and decode (or between ranks).
-PER_SIDE_FIELDS = ("tp_size", "tp_rank", "device_id", "region_bases", "num_pages", "page_bytes")
-PER_SIDE_FIELDS += ("ratio",)
+PER_SIDE_FIELDS = frozenset(
+    ("tp_size", "tp_rank", "device_id", "region_bases", "num_pages", "page_bytes", "ratio")
+)
 
 
 def held_range(total: int, tp: int, rank: int, what: str = "heads") -> range:
