@@ -10,12 +10,13 @@ print(outs[0].outputs[0].text, outs[0].outputs[0].token_ids)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hybridserve.config import CacheConfig
+from hybridserve.config import CacheConfig, KVTransferConfig
 from hybridserve.engine import EngineConfig, LLMEngine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class LLM:
       cache: the paged cache's settings (`CacheConfig`: dtypes, conv layout, pool size).
       seed: base seed of requests whose SamplingParams carry none.
       progress: show a progress bar while loading weights.
+      kv_transfer_config: makes this a prefill (kv_producer) or decode (kv_consumer) engine of
+        a disaggregated pair (`KVTransferConfig`); prompts then carry "kv_transfer_params".
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class LLM:
         cache: CacheConfig | None = None,
         seed: int = 0,
         progress: bool = True,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(
@@ -77,6 +81,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 cache=cache or CacheConfig(),
                 seed=seed,
+                kv_transfer=kv_transfer_config,
             ),
             progress=progress,
         )
@@ -99,13 +104,17 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         unpacked = []
         for prompt, p in zip(prompts, params, strict=True):
+            kv = None
             if isinstance(prompt, dict):
                 if "prompt_token_ids" not in prompt:
                     raise ValueError('a dict prompt needs "prompt_token_ids"')
+                kv = prompt.get("kv_transfer_params")
                 prompt = list(prompt["prompt_token_ids"])
             self.engine.validate(prompt, p)  # all or nothing: check every prompt first
-            unpacked.append((prompt, p))
-        return [self.engine.add_request(prompt, p) for prompt, p in unpacked]
+            unpacked.append((prompt, p, kv))
+        return [
+            self.engine.add_request(prompt, p, kv_transfer_params=kv) for prompt, p, kv in unpacked
+        ]
 
     def generate(
         self,
@@ -119,7 +128,10 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                outs = self.engine.step()
+                if not outs:
+                    time.sleep(0.0005)  # waiting for transfers
+                for out in outs:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

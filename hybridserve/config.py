@@ -297,3 +297,47 @@ class SchedulerConfig:
         )
         _require(self.max_prefill_chunk >= 1, "max_prefill_chunk must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len must be >= 2")
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated prefill/decode over NIXL (vLLM's `--kv-transfer-config` shape).
+
+    kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both". The producer serves
+    its NIXL metadata and layout on a TCP side channel at host:port (port 0: any free port) and
+    holds a request's pages for at most `lease_s` seconds after prefill. `failure_policy` says
+    what a decode request does when its transfer fails: "recompute" locally or "fail".
+    """
+
+    kv_role: str = "kv_both"
+    kv_connector: str = "NixlConnector"
+    engine_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        _require(self.kv_role in KV_ROLES, f"kv_role must be one of {KV_ROLES}: {self.kv_role!r}")
+        _require(
+            self.kv_connector == "NixlConnector",
+            f"kv_connector {self.kv_connector!r} is not supported (use NixlConnector)",
+        )
+        _require(
+            self.failure_policy in ("recompute", "fail"),
+            f"failure_policy must be 'recompute' or 'fail': {self.failure_policy!r}",
+        )
+        _require(self.lease_s > 0 and self.transfer_timeout_s > 0, "timeouts must be > 0")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")

@@ -9,7 +9,13 @@ Lifecycle of a request:
   3. The scheduler records the tokens, checks token-level stops and frees finished requests'
      pages; the engine checks stop strings (finishing those requests through the scheduler) and
      returns a `RequestOutput` for every request that got a token.
-  4. `abort_request` removes a request in any state and frees its pages at once.
+  4. `abort_request` removes a request in any state and frees its pages at once (a request
+     whose KV is still arriving is aborted when its transfer ends).
+
+Disaggregated prefill/decode (`kv_transfer`): a prefill engine given `kv_transfer_params=
+{"do_remote_decode": True}` computes the prompt except its last token, holds the pages and
+returns transfer parameters in its output; a decode engine given those parameters pulls the
+pages over NIXL (`hybridserve.disagg.connector`) and continues from there.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridserve.config import CacheConfig, SchedulerConfig
+from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from hybridserve.core.request import Request
 from hybridserve.core.scheduler import Scheduler
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -46,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache: CacheConfig = CacheConfig()
     seed: int = 0
+    kv_transfer: KVTransferConfig | None = None
 
 
 @dataclasses.dataclass
@@ -60,6 +67,7 @@ class _Tracked:
     logprobs: list[dict[int, float]] | None
     text: str = ""
     reported: int = 0  # output tokens already returned
+    remote_prefill: bool = False  # prefill half of a P/D request: hand the pages over
 
 
 class LLMEngine:
@@ -103,6 +111,14 @@ class LLMEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._tracked: dict[str, _Tracked] = {}
         self._counter = 0
+        self.connector = None
+        if config.kv_transfer is not None:
+            from hybridserve.disagg.connector import NixlConnector
+
+            self.connector = NixlConnector(config.kv_transfer, self.runner)
+        self._deferred: list[tuple[str, dict]] = []  # remote requests waiting for pages
+        self._abort_after_pull: set[str] = set()
+        self._ready: list[RequestOutput] = []  # outputs produced outside a model step
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of a prompt, or ValueError saying what is wrong with it."""
@@ -133,10 +149,23 @@ class LLMEngine:
         return ids
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        req_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> str:
-        """Queue a prompt (text, or token ids) and return its req_id."""
+        """Queue a prompt (text, or token ids) and return its req_id. `kv_transfer_params`:
+        `{"do_remote_decode": True}` on a prefill engine, or a prefill output's parameters on a
+        decode engine."""
         ids = self.validate(prompt, params)
+        remote = kv_transfer_params or {}
+        if remote and self.connector is None:
+            raise ValueError("kv_transfer_params given but the engine has no kv_transfer config")
+        if remote.get("do_remote_decode") and not self.connector.config.is_producer:
+            raise ValueError("do_remote_decode needs a kv_producer (or kv_both) engine")
+        if "block_tables" in remote and not self.connector.config.is_consumer:
+            raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
         if req_id is None:
             req_id = f"req-{self._counter}"
         if req_id in self._tracked:
@@ -145,13 +174,17 @@ class LLMEngine:
         seed = (
             params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._counter
         )
+        producer = bool(remote.get("do_remote_decode"))
+        if producer and len(ids) < 2:
+            raise ValueError("a remote-decode prompt needs at least 2 tokens")
         request = Request(
             req_id,
-            ids,
-            max_tokens=params.max_tokens,
-            min_tokens=params.min_tokens,
-            eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_ids),
-            stop_token_ids=frozenset(params.stop_token_ids),
+            ids[:-1] if producer else ids,  # the decode side computes the last prompt token
+            max_tokens=1 if producer else params.max_tokens,
+            min_tokens=0 if producer else params.min_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos or producer else frozenset(self.eos_ids),
+            stop_token_ids=frozenset() if producer else frozenset(params.stop_token_ids),
+            hold_pages=producer,
         )
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         self._tracked[req_id] = _Tracked(
@@ -162,22 +195,76 @@ class LLMEngine:
             metrics,
             [] if params.logprobs is not None else None,
         )
-        self.scheduler.add_request(request)
+        self._tracked[req_id].remote_prefill = producer
+        if remote.get("num_tokens", 0) > 0:
+            self._deferred.append((req_id, remote))
+            self._start_pulls()
+        else:
+            self.scheduler.add_request(request)
         return req_id
 
     def abort_request(self, req_id: str) -> None:
         """Stop a request now and free its pages (unknown or finished ids are ignored)."""
-        if self._tracked.pop(req_id, None) is not None:
+        if self._tracked.pop(req_id, None) is None:
+            return
+        self._deferred = [(r, p) for r, p in self._deferred if r != req_id]
+        if self.connector is not None and req_id in self.connector.pulls:
+            self._abort_after_pull.add(req_id)  # its pages are being written: free them later
+        else:
             self.scheduler.abort_request(req_id)
 
+    def _start_pulls(self) -> None:
+        """Give deferred remote requests pages and post their reads, while pages last."""
+        still = []
+        for req_id, remote in self._deferred:
+            request = self._tracked[req_id].request
+            tables = self.scheduler.add_remote_request(request, int(remote["num_tokens"]))
+            if tables is None:
+                still.append((req_id, remote))
+                continue
+            try:
+                self.connector.start_pull(req_id, remote, tables)
+            except Exception as err:  # handshake or NIXL failure: decided by the policy
+                self._transfer_failed(req_id, f"cannot start the transfer: {err}")
+        self._deferred = still
+
+    def _transfer_failed(self, req_id: str, reason: str) -> None:
+        if self.connector.config.failure_policy == "recompute":
+            self.scheduler.finish_remote_kv(req_id, ok=False)
+            return
+        self.scheduler.finish_remote_kv(req_id, ok=False)
+        self.scheduler.finish_request(req_id, "abort", stop_reason=reason)
+        tracked = self._tracked.pop(req_id)
+        self._ready.append(self._output(tracked, True, time.perf_counter()))
+
+    def poll_transfers(self) -> None:
+        """Advance P/D bookkeeping: finished pulls, released and expired held pages."""
+        if self.connector is None:
+            return
+        for req_id in self.connector.poll_producer():
+            self.scheduler.release_held(req_id)
+        for req_id, ok, reason in self.connector.poll_consumer():
+            if req_id in self._abort_after_pull:
+                self._abort_after_pull.discard(req_id)
+                self.scheduler.finish_remote_kv(req_id, ok=False)
+                self.scheduler.abort_request(req_id)
+            elif ok:
+                self.scheduler.finish_remote_kv(req_id, ok=True)
+            else:
+                self._transfer_failed(req_id, reason or "transfer failed")
+        if self._deferred:
+            self._start_pulls()
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.scheduler.has_unfinished() or self._deferred or self._ready)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that got a token in it."""
+        self.poll_transfers()
+        ready, self._ready = self._ready, []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return ready
         result = self.runner.execute(out)
         sampled: dict[str, int] = {}
         if result.req_ids:
@@ -202,7 +289,7 @@ class LLMEngine:
             outputs.append(self._output(tracked, req_id in finished, now))
             if req_id in finished:
                 del self._tracked[req_id]
-        return outputs
+        return ready + outputs
 
     def _sample(self, req_ids: list[str], logits: jax.Array) -> np.ndarray:
         tracked = [self._tracked[r] for r in req_ids]
@@ -261,6 +348,12 @@ class LLMEngine:
         new = ids[tracked.reported :]
         tracked.reported = len(ids)
         reason = req.finish_reason if finished else None
+        kv_params = None
+        if tracked.remote_prefill and finished:
+            kv_params = self.connector.producer_params(
+                req.req_id, self.scheduler.held_tables(req.req_id), req.num_prompt_tokens
+            )
+            ids, new, text = [], [], ""
         completion = CompletionOutput(
             0, text, ids, reason, req.stop_reason if finished else None, tracked.logprobs
         )
@@ -272,6 +365,7 @@ class LLMEngine:
             finished,
             tracked.metrics,
             new,
+            kv_params,
         )
 
     def stats(self) -> dict[str, float]:

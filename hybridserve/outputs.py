@@ -54,3 +54,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # since the last update
+    kv_transfer_params: dict | None = None  # prefill side of P/D: what the decode side needs
