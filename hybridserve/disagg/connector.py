@@ -75,17 +75,26 @@ class NixlConnector:
         plan, cfg = runner.plan, runner.cfg
         buffers = shard_buffers(runner.regions)
         self.layouts = [
-            RankLayout.from_plan(plan, cfg, tp_rank=r, region_bases=[b[0] for b in rank],
-                                 num_pages=runner.num_pages, device_id=rank[0][2])
+            RankLayout.from_plan(
+                plan,
+                cfg,
+                tp_rank=r,
+                region_bases=[b[0] for b in rank],
+                num_pages=runner.num_pages,
+                device_id=rank[0][2],
+            )
             for r, rank in enumerate(buffers)
-        ]  # fmt: skip
+        ]
         mem = "VRAM" if next(iter(runner.regions[0].devices())).platform == "gpu" else "DRAM"
         self.transport = NixlTransport(self.engine_id, [b for rank in buffers for b in rank], mem)
         self.server: HandshakeServer | None = None
         if config.is_producer:
-            info = {"engine_id": self.engine_id, "agent_name": self.engine_id,
-                    "agent_metadata": self.transport.metadata(),
-                    "layouts": [layout.to_dict() for layout in self.layouts]}  # fmt: skip
+            info = {
+                "engine_id": self.engine_id,
+                "agent_name": self.engine_id,
+                "agent_metadata": self.transport.metadata(),
+                "layouts": [layout.to_dict() for layout in self.layouts],
+            }
             self.server = HandshakeServer(info, self._check_peer, config.host, config.port)
         self.leases: dict[str, float] = {}  # producer: req_id -> deadline
         self.peers: dict[tuple[str, int], _Peer] = {}
@@ -98,13 +107,19 @@ class NixlConnector:
     def _check_peer(self, request: dict[str, Any]) -> None:
         check_compatible(self.layouts[0], RankLayout.from_dict(request["layout"]))
 
-    def producer_params(self, req_id: str, tables: tuple[tuple[int, ...], ...],
-                        num_tokens: int) -> dict[str, Any]:  # fmt: skip
+    def producer_params(
+        self, req_id: str, tables: tuple[tuple[int, ...], ...], num_tokens: int
+    ) -> dict[str, Any]:
         """Transfer parameters for the decode side; starts the request's lease."""
         assert self.server is not None, "not a kv_producer"
         self.leases[req_id] = time.monotonic() + self.config.lease_s
-        return {"engine_id": self.engine_id, "host": self.server.host, "port": self.server.port,
-                "block_tables": [list(t) for t in tables], "num_tokens": num_tokens}  # fmt: skip
+        return {
+            "engine_id": self.engine_id,
+            "host": self.server.host,
+            "port": self.server.port,
+            "block_tables": [list(t) for t in tables],
+            "num_tokens": num_tokens,
+        }
 
     def poll_producer(self) -> list[str]:
         """Requests whose held pages can be released: read by the decode side, or lease over."""
@@ -126,8 +141,12 @@ class NixlConnector:
     def _peer(self, host: str, port: int) -> _Peer:
         key = (host, port)
         if key not in self.peers:
-            info = fetch_peer(host, port, {"layout": self.layouts[0].to_dict()},
-                              timeout=self.config.handshake_timeout_s)  # fmt: skip
+            info = fetch_peer(
+                host,
+                port,
+                {"layout": self.layouts[0].to_dict()},
+                timeout=self.config.handshake_timeout_s,
+            )
             remote = {d["tp_rank"]: RankLayout.from_dict(d) for d in info["layouts"]}
             for layout in remote.values():
                 check_compatible(self.layouts[0], layout)
@@ -136,14 +155,21 @@ class NixlConnector:
             for local in self.layouts:
                 plan = plan_reads(local, remote)
                 plans.append(plan)
-                handles.append([(self.transport.prepare(read.local_descriptors()),
-                                 self.transport.prepare(read.remote_descriptors(), peer=agent))
-                                for read in plan.reads])  # fmt: skip
+                handles.append(
+                    [
+                        (
+                            self.transport.prepare(read.local_descriptors()),
+                            self.transport.prepare(read.remote_descriptors(), peer=agent),
+                        )
+                        for read in plan.reads
+                    ]
+                )
             self.peers[key] = _Peer(agent, remote, plans, handles)
         return self.peers[key]
 
-    def start_pull(self, req_id: str, params: dict[str, Any],
-                   local_tables: tuple[tuple[int, ...], ...]) -> None:  # fmt: skip
+    def start_pull(
+        self, req_id: str, params: dict[str, Any], local_tables: tuple[tuple[int, ...], ...]
+    ) -> None:
         """Post the READs that fill `local_tables` from the producer's pages."""
         key = (params["host"], int(params["port"]))
         peer = self._peer(*key)
@@ -153,8 +179,9 @@ class NixlConnector:
             for read, (local_h, remote_h) in zip(plan.reads, handles, strict=True):
                 local_ids, remote_ids = read.descriptor_ids(local_tables, remote_tables)
                 if local_ids:
-                    xfers.append(self.transport.start("READ", local_h, local_ids, remote_h,
-                                                      remote_ids))  # fmt: skip
+                    xfers.append(
+                        self.transport.start("READ", local_h, local_ids, remote_h, remote_ids)
+                    )
         self.pulls[req_id] = _Pull(key, xfers, time.monotonic() + self.config.transfer_timeout_s)
 
     def poll_consumer(self) -> list[tuple[str, bool, str | None]]:

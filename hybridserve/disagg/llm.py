@@ -1,0 +1,194 @@
+"""DisaggregatedLLM: the `LLM.generate` API over a prefill worker and a decode worker, each in
+its own process, moving KV pages and Mamba states between them over NIXL.
+
+    from hybridserve.disagg.llm import DisaggregatedLLM
+    with DisaggregatedLLM(model_dir, prefill_tp=1, decode_tp=1) as llm:
+        outs = llm.generate(["def "], SamplingParams(temperature=0.0, max_tokens=32))
+
+Lifecycle: the constructor spawns both workers (each with its own JAX devices) and waits until
+they are ready; `generate` sends each prompt to the prefill worker, forwards its transfer
+parameters to the decode worker and collects the decode worker's outputs; `close` stops both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from hybridserve.api import DEFAULT_MODEL
+from hybridserve.disagg.worker import WorkerHandle, spawn_worker
+from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hybridserve.sampling_params import SamplingParams
+from hybridserve.tokenizer import Tokenizer
+
+
+class DisaggregatedLLM:
+    """`LLM` with prefill and decode on separate worker processes (see the module docstring).
+
+    Args: as `LLM`, plus `prefill_tp` / `decode_tp` (tensor parallel sizes of the two workers),
+    `lease_s` (how long the prefill worker holds pages for the decode worker) and
+    `failure_policy` ("recompute" locally or "fail" when a transfer fails).
+    """
+
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
+        dtype: str | None = None,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        lease_s: float = 30.0,
+        failure_policy: str = "recompute",
+    ) -> None:
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"model directory {model} does not exist")
+        common = dict(
+            model=str(model),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.tokenizer = Tokenizer.maybe_load(model)
+        self.prefill = spawn_worker(
+            {**common, "tensor_parallel_size": prefill_tp},
+            {"kv_role": "kv_producer", "lease_s": lease_s},
+            prefill_tp,
+        )
+        try:
+            self.decode = spawn_worker(
+                {**common, "tensor_parallel_size": decode_tp},
+                {"kv_role": "kv_consumer", "failure_policy": failure_policy},
+                decode_tp,
+            )
+        except Exception:
+            self.prefill.stop()
+            raise
+        self._counter = 0
+
+    def __enter__(self) -> DisaggregatedLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop both workers."""
+        for worker in (getattr(self, "decode", None), getattr(self, "prefill", None)):
+            if worker is not None:
+                worker.stop()
+
+    def _ids(self, prompt: str | dict) -> list[int]:
+        if isinstance(prompt, dict):
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if self.tokenizer is None:
+            raise ValueError("the model has no tokenizer.json: pass prompt_token_ids")
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        timeout: float = 600.0,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt through prefill then decode; outputs in prompt order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = dataclasses.asdict(sampling_params or SamplingParams())
+        pending: dict[str, tuple[Any, list[int]]] = {}
+        start = time.perf_counter()
+        for prompt in prompts:
+            req_id = f"pd-{self._counter}"
+            self._counter += 1
+            ids = self._ids(prompt)
+            pending[req_id] = (prompt, ids)
+            self.prefill.send(
+                {
+                    "op": "add",
+                    "req_id": req_id,
+                    "prompt_token_ids": ids,
+                    "params": params,
+                    "kv": {"do_remote_decode": True},
+                }
+            )
+        done: dict[str, RequestOutput] = {}
+        deadline = time.monotonic() + timeout
+        with tqdm(total=len(pending), desc="generating", disable=not use_tqdm) as bar:
+            while len(done) < len(pending):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(pending) - len(done)} requests unfinished")
+                self._pump(self.prefill, pending, params, done, start, bar, forward=True)
+                self._pump(self.decode, pending, params, done, start, bar, forward=False)
+        return [done[r] for r in pending]
+
+    def _pump(
+        self,
+        worker: WorkerHandle,
+        pending: dict,
+        params: dict,
+        done: dict,
+        start: float,
+        bar: Any,
+        forward: bool,
+    ) -> None:
+        if not worker.process.is_alive() and not worker.conn.poll():
+            role = "prefill" if forward else "decode"
+            raise RuntimeError(f"the {role} worker died (exit code {worker.process.exitcode})")
+        message = worker.recv(0.001)
+        if message is None or "output" not in message:
+            return
+        out = message["output"]
+        prompt, ids = pending[out["req_id"]]
+        if forward and "error" not in out:
+            self.decode.send(
+                {
+                    "op": "add",
+                    "req_id": out["req_id"],
+                    "prompt_token_ids": ids,
+                    "params": params,
+                    "kv": out["kv"],
+                }
+            )
+            return
+        text = out.get("text", "")
+        completion = CompletionOutput(
+            0,
+            text,
+            out.get("token_ids", []),
+            out.get("finish_reason") or "abort",
+            out.get("stop_reason") or out.get("error"),
+        )
+        metrics = RequestMetrics(
+            arrival_time=start,
+            finished_time=time.perf_counter(),
+            num_generated_tokens=len(completion.token_ids),
+        )
+        done[out["req_id"]] = RequestOutput(
+            out["req_id"],
+            prompt if isinstance(prompt, str) else None,
+            ids,
+            [completion],
+            True,
+            metrics,
+        )
+        bar.update(1)
+
+    def stats(self) -> dict[str, dict]:
+        """Each worker's engine statistics (plus held pages and pages in use)."""
+        result = {}
+        for name, worker in (("prefill", self.prefill), ("decode", self.decode)):
+            worker.send({"op": "stats"})
+            while (message := worker.recv(10)) is not None and "stats" not in message:
+                pass
+            result[name] = message["stats"] if message else {}
+        return result

@@ -1,0 +1,149 @@
+"""An engine in its own process, driven over a pipe with msgpack messages (never pickle).
+
+Lifecycle:
+  1. `spawn_worker(...)` starts a process (spawn) that sets its JAX device count, builds an
+     `LLMEngine` (with its kv_transfer role) and replies {"ready": ...} or {"error": ...}.
+  2. The parent sends {"op": "add", "req_id", "prompt_token_ids", "params", "kv"},
+     {"op": "abort", "req_id"}, {"op": "stats"} or {"op": "stop"}.
+  3. The worker loop steps the engine whenever it has work (P/D bookkeeping included) and sends
+     {"output": ...} for every finished request, {"stats": ...} when asked.
+  4. On "stop" (or when the parent's end of the pipe closes) the worker closes its connector
+     and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import msgpack
+
+from hybridserve.config import KVTransferConfig
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    message = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if not isinstance(message, dict):
+        raise ValueError("worker messages are maps")
+    return message
+
+
+def output_to_dict(out: Any) -> dict[str, Any]:
+    c = out.outputs[0]
+    return {
+        "req_id": out.request_id,
+        "token_ids": list(c.token_ids),
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "kv": out.kv_transfer_params,
+        "ttft": out.metrics.time_to_first_token,
+    }
+
+
+def _serve(conn: Any, engine_kwargs: dict[str, Any], kv: dict[str, Any], devices: int) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from hybridserve.engine import EngineConfig, LLMEngine
+    from hybridserve.sampling_params import SamplingParams
+
+    try:
+        engine = LLMEngine(
+            EngineConfig(**engine_kwargs, kv_transfer=KVTransferConfig(**kv)), progress=False
+        )
+    except Exception as err:  # report any start-up failure to the parent
+        conn.send_bytes(pack({"error": f"{type(err).__name__}: {err}"}))
+        return
+    conn.send_bytes(pack({"ready": engine.connector.engine_id}))
+    try:
+        while True:
+            busy = engine.has_unfinished() or bool(engine.scheduler.held)
+            if conn.poll(0 if busy else 0.01):
+                message = unpack(conn.recv_bytes())
+                op = message.get("op")
+                if op == "stop":
+                    break
+                if op == "add":
+                    try:
+                        engine.add_request(
+                            message["prompt_token_ids"],
+                            SamplingParams(**message["params"]),
+                            req_id=message["req_id"],
+                            kv_transfer_params=message.get("kv"),
+                        )
+                    except ValueError as err:
+                        conn.send_bytes(
+                            pack({"output": {"req_id": message["req_id"], "error": str(err)}})
+                        )
+                elif op == "abort":
+                    engine.abort_request(message["req_id"])
+                elif op == "stats":
+                    stats = engine.stats()
+                    stats["held"] = len(engine.scheduler.held)
+                    stats["pages_used"] = engine.scheduler.coordinator.pool.num_used
+                    conn.send_bytes(pack({"stats": stats}))
+                continue
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        conn.send_bytes(pack({"output": output_to_dict(out)}))
+            else:
+                engine.poll_transfers()
+                time.sleep(0.001)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent went away
+    finally:
+        engine.connector.close()
+
+
+@dataclasses.dataclass
+class WorkerHandle:
+    """The parent's end of one worker process."""
+
+    process: mp.Process
+    conn: Any
+    engine_id: str
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.conn.send_bytes(pack(message))
+
+    def recv(self, timeout: float | None = None) -> dict[str, Any] | None:
+        if not self.conn.poll(timeout):
+            return None
+        return unpack(self.conn.recv_bytes())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self.send({"op": "stop"})
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def spawn_worker(
+    engine_kwargs: dict[str, Any], kv: dict[str, Any], devices: int, start_timeout: float = 600.0
+) -> WorkerHandle:
+    """Start an engine process; returns once it is ready (raises with its error otherwise)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_serve, args=(child, engine_kwargs, kv, devices), daemon=True)
+    process.start()
+    child.close()
+    if not parent.poll(start_timeout):
+        process.kill()
+        raise RuntimeError("the worker did not start in time")
+    reply = unpack(parent.recv_bytes())
+    if "error" in reply:
+        process.join(5)
+        raise RuntimeError(f"the worker failed to start: {reply['error']}")
+    return WorkerHandle(process, parent, reply["ready"])

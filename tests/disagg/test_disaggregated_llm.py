@@ -1,0 +1,100 @@
+"""DisaggregatedLLM: prefill and decode workers in separate processes, real NIXL between them,
+and what happens when one side dies or never reads."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.config import KVTransferConfig
+from hybridserve.disagg.llm import DisaggregatedLLM
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {"prompt_token_ids": rng.integers(3, 512, size=int(rng.integers(2, 50))).tolist()}
+        for _ in range(n)
+    ]
+
+
+def _colocated(directory, prompts):
+    llm = LLM(directory, dtype="float32", max_model_len=128, max_num_seqs=32, progress=False)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
+    directory = hf_checkpoint("nemotron_h")[0]
+    prompts = _prompts(32)
+    want = _colocated(directory, prompts)
+    with DisaggregatedLLM(
+        directory,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
+        lease_s=2.0,
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want
+        stats = llm.stats()
+        assert stats["decode"]["pages_used"] == 0
+        # A decode side that never reads: the prefill worker frees the pages when the lease ends.
+        llm.prefill.send(
+            {
+                "op": "add",
+                "req_id": "orphan",
+                "prompt_token_ids": list(range(3, 40)),
+                "params": {"max_tokens": 4},
+                "kv": {"do_remote_decode": True},
+            }
+        )
+        while (message := llm.prefill.recv(30)) is not None and "output" not in message:
+            pass
+        assert message["output"]["kv"]["num_tokens"] == 36
+        assert llm.stats()["prefill"]["held"] == 1
+        deadline = time.monotonic() + 10
+        while llm.stats()["prefill"]["pages_used"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert llm.stats()["prefill"]["pages_used"] == 0 and llm.stats()["prefill"]["held"] == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_dead_prefill_engine_recomputes_or_fails_with_a_reason(hf_checkpoint, policy):
+    directory = hf_checkpoint("nemotron_h")[0]
+    prompts = _prompts(4, seed=1)
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=8, progress=False)
+    prefill = LLM(directory, kv_transfer_config=KVTransferConfig(kv_role="kv_producer"), **kw)
+    decode = LLM(
+        directory,
+        kv_transfer_config=KVTransferConfig(
+            kv_role="kv_consumer", failure_policy=policy, handshake_timeout_s=1.0
+        ),
+        **kw,
+    )
+    handed = prefill.generate(
+        [{**p, "kv_transfer_params": {"do_remote_decode": True}} for p in prompts],
+        GREEDY,
+        use_tqdm=False,
+    )
+    prefill.engine.connector.close()  # the prefill engine dies: no side channel, no agent
+    outs = decode.generate(
+        [
+            {**p, "kv_transfer_params": o.kv_transfer_params}
+            for p, o in zip(prompts, handed, strict=True)
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
+    if policy == "recompute":
+        assert [o.outputs[0].token_ids for o in outs] == _colocated(directory, prompts)
+    else:
+        for o in outs:
+            assert o.outputs[0].finish_reason == "abort"
+            assert "cannot start the transfer" in o.outputs[0].stop_reason
+    assert decode.engine.scheduler.coordinator.pool.num_used == 0
