@@ -22,6 +22,17 @@ attention ids expand to kernel ids `k = p*ratio + j`, then `r*N_phys + k` for r 
 (r = 2i + {K:0, V:1}); Mamba ids give `fa + s*N_log + b` for s = 4i + j, j in (x, B, C, ssm),
 with `fa = 2T*N_phys` (0 without FA).
 
+Coarse view (page-granular; used for a (local, remote) rank pair that needs no slicing: equal TP,
+equal ratio hence equal page bytes, equal conv layout; each page then moves whole):
+  FA:  for i in 0..T-1: P_i[0..N_log-1], P_i[p] = `(A_i + p*page, page)`    -> T * N_log entries
+       (a full attention page is all data: `ratio` kernel pages of exactly K + V)
+  SSM: for i in 0..T-1: S_i[0..N_log-1], S_i[b] = `(A_i + b*page, state)`   -> T * N_log entries
+       (x|B|C|ssm are contiguous in DS and SD alike; `state = conv + ssm`, padding excluded)
+Coarse ids (`tp_mapping.coarse_descriptor_ids`; logical ids, no ratio expansion): attention
+`i*N_log + p`, Mamba `fa + i*N_log + b` with `fa = T*N_log` (0 without FA). A 64-page request of
+Nemotron-3-Nano-30B (T = 6, one attention group, 4 Mamba groups of 1 page) gives
+`6*64 + 4*6*1 = 408` ids per side instead of `12*64*261 + 4*24 = 200,544` in the dual view.
+
 Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
 (rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).
 Standard library only.
@@ -367,6 +378,24 @@ def local_runs(layout: RankLayout) -> tuple[DescRun, ...]:
 def local_descriptors(layout: RankLayout) -> list[tuple[int, int, int]]:
     """The full local dual view: `2T*N_phys` K/V then `4T*N_log` x/B/C/ssm descriptors."""
     return expand_runs(local_runs(layout), layout.device_id)
+
+
+def coarse_runs(layout: RankLayout) -> tuple[DescRun, ...]:
+    """The coarse view of `layout` (module docstring) as runs: per region `(A_i, page, N_log,
+    page)` for attention, then per region `(A_i, page, N_log, state_bytes)` for Mamba."""
+    page, n = layout.page_bytes, layout.n_log
+    runs: list[DescRun] = []
+    if layout.has_attention:
+        runs += [DescRun(base, page, n, page) for base in layout.region_bases]
+    if layout.has_mamba:
+        runs += [DescRun(base, page, n, layout.state_bytes) for base in layout.region_bases]
+    return tuple(runs)
+
+
+def coarse_view_size(layout: RankLayout) -> int:
+    """Entries in the coarse view: `T*N_log` per kind present (attention, Mamba)."""
+    kinds = int(layout.has_attention) + int(layout.has_mamba)
+    return kinds * layout.num_regions * layout.n_log
 
 
 def view_size(layout: RankLayout) -> int:

@@ -5,6 +5,12 @@ Block ids -> descriptor ids (`descriptor_ids`), per group in plan order, region-
       `r*N_phys + k`, r in 0..2T-1 (r = 2i for K_i, 2i+1 for V_i)
   mamba (logical ids b): `2T*N_phys + (4i + j)*N_log + b`, j in (x, B, C, ssm), i in 0..T-1
   (the `2T*N_phys` term only when the model has an attention group).
+Coarse view (`coarse_descriptor_ids`, `descriptors.coarse_runs`), chosen by `plan_reads` for a
+pair that needs no slicing (equal TP, ratio, page and state bytes, conv layout): logical ids,
+attention `i*N_log + p`, Mamba `T*N_log + i*N_log + b` (the `T*N_log` only with attention).
+A 64-page Nemotron-3-Nano-30B request at TP2 -> TP2: 408 ids per side (coarse), 200,544 (dual).
+Per-request cost: proportional to the ids produced, never to N_phys or N_log; the dual view's
+attention ids are emitted as `range`s of adjacent kernel blocks (`list += range`, C speed).
 
 Heterogeneous TP (D = decode/local TP, P = prefill/remote TP, one must divide the other):
   sources of decode rank r: `[r // (D/P)]` when D >= P, else `[r*a + j for j < a]`, a = P/D.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 from hybridserve.disagg.descriptors import (
     ALL_COMPONENTS,
@@ -37,10 +44,13 @@ from hybridserve.disagg.descriptors import (
     DescRun,
     RankLayout,
     check_compatible,
+    coarse_runs,
     expand_runs,
     slabs,
     view_runs,
 )
+
+_FA = frozenset(FA_KINDS)
 
 
 def expand_kernel_ids(ids: Iterable[int], ratio: int) -> list[int]:
@@ -67,24 +77,113 @@ def descriptor_ids(
     """
     if len(block_ids_per_group) != len(kinds):
         raise ValueError(f"{len(block_ids_per_group)} block id lists for {len(kinds)} groups")
-    fa = 2 * num_regions * n_phys if any(k in FA_KINDS for k in kinds) else 0
-    out: list[int] = []
+    spans: list[list[tuple[int, int]]] = []
     for kind, ids in zip(kinds, block_ids_per_group, strict=True):
         if kind in FA_KINDS:
-            kids = expand_kernel_ids(ids, ratio) if ratio != 1 else list(ids)
-            _check_ids(kids, n_phys, "kernel block")
-            if "kv" in active:
-                for r in range(2 * num_regions):
-                    out += [r * n_phys + k for k in kids]
+            if ids and (min(ids) < 0 or max(ids) * ratio + ratio > n_phys):
+                lo, hi = min(ids) * ratio, max(ids) * ratio + ratio - 1
+                raise ValueError(f"kernel block id out of range [0, {n_phys}): {lo}..{hi}")
+            spans.append(kernel_spans(ids, ratio, len(ids) * ratio))
         elif kind == "mamba":
             _check_ids(ids, n_log, "Mamba page")
+            spans.append([])
+        else:
+            raise ValueError(f"unknown group kind {kind!r}")
+    return _dual_ids(kinds, spans, block_ids_per_group, num_regions, n_phys, n_log, active)
+
+
+def kernel_spans(ids: Iterable[int], ratio: int, limit: int) -> list[tuple[int, int]]:
+    """Logical page ids -> the kernel ids `p*ratio + j` as half-open spans `[start, stop)`, the
+    first `limit` of them, spans of adjacent pages merged (a contiguous table is one span).
+    Cost: one step per page, none per kernel block."""
+    spans: list[tuple[int, int]] = []
+    left = limit
+    for p in ids:
+        if left <= 0:
+            break
+        start = p * ratio
+        stop = start + min(ratio, left)
+        left -= stop - start
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], stop)
+        else:
+            spans.append((start, stop))
+    return spans
+
+
+def coarse_descriptor_ids(
+    kinds: Sequence[str],
+    block_ids_per_group: Sequence[Sequence[int]],
+    num_regions: int,
+    n_log: int,
+) -> list[int]:
+    """Indices into a coarse view (`descriptors.coarse_runs`), per group in order, logical ids:
+    attention `i*n_log + p`, Mamba `fa + i*n_log + b` (i in 0..T-1), `fa = T*n_log` when an
+    attention kind is present, else 0. E.g. T=2, n_log=100, [FA, M] with [[3, 5], [1, 2]]:
+    [3, 5, 103, 105, 201, 202, 301, 302]. Cost: one list comprehension per group over its
+    `T*len(ids)` ids; a single page is one strided `range`, and a run of consecutive pages
+    `[a, a+n)` is one `range(s + a, s + a + n)` per region (C speed)."""
+    if len(block_ids_per_group) != len(kinds):
+        raise ValueError(f"{len(block_ids_per_group)} block id lists for {len(kinds)} groups")
+    span = num_regions * n_log
+    fa = 0 if _FA.isdisjoint(kinds) else span
+    out: list[int] = []
+    for kind, ids in zip(kinds, block_ids_per_group, strict=True):
+        if kind in _FA:
+            start = 0
+        elif kind == "mamba":
+            start = fa
+        else:
+            raise ValueError(f"unknown group kind {kind!r}")
+        n = len(ids)
+        if n == 0:
+            continue
+        run = n == 1 or _consecutive(ids, n)
+        lo, hi = (ids[0], ids[-1]) if run else (min(ids), max(ids))
+        if lo < 0 or hi >= n_log:
+            raise ValueError(f"page id out of range [0, {n_log}): {lo}..{hi}")
+        if n == 1:  # e.g. a Mamba group: one page, T ids `start + i*n_log + b`
+            out += range(start + lo, start + span, n_log)
+        elif run:
+            for s in range(start + lo, start + lo + span, n_log):
+                out += range(s, s + n)
+        else:
+            out += [s + b for s in range(start, start + span, n_log) for b in ids]
+    return out
+
+
+def _consecutive(ids: Sequence[int], n: int) -> bool:
+    """Whether `ids == [a, a+1, ..., a+n-1]` (in this order): O(1) unless the ends say so."""
+    a = ids[0]
+    return ids[-1] - a == n - 1 and (n < 3 or list(ids) == list(range(a, a + n)))
+
+
+def _dual_ids(
+    kinds: Sequence[str],
+    spans_per_group: Sequence[Sequence[tuple[int, int]]],
+    pages_per_group: Sequence[Sequence[int]],
+    num_regions: int,
+    n_phys: int,
+    n_log: int,
+    active: frozenset[str],
+) -> list[int]:
+    """Dual-view ids of checked groups: attention groups read their kernel spans, Mamba groups
+    their page ids (the other list of a group is ignored)."""
+    fa = 2 * num_regions * n_phys if any(k in FA_KINDS for k in kinds) else 0
+    out: list[int] = []
+    for kind, spans, ids in zip(kinds, spans_per_group, pages_per_group, strict=True):
+        if kind in FA_KINDS:
+            if "kv" in active:
+                for r in range(2 * num_regions):
+                    off = r * n_phys
+                    for lo, hi in spans:
+                        out += range(off + lo, off + hi)
+        else:
             for i in range(num_regions):
                 for j, name in enumerate(MAMBA_PARTS):
                     if name in active:
                         s = fa + (4 * i + j) * n_log
                         out += [s + b for b in ids]
-        else:
-            raise ValueError(f"unknown group kind {kind!r}")
     return out
 
 
@@ -127,15 +226,22 @@ def notifications_per_request(prefill_tp: int, decode_tp: int) -> int:
     return decode_tp // prefill_tp if decode_tp > prefill_tp else 1
 
 
+View = Literal["fine", "coarse"]
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceRead:
     """What decode rank `local.tp_rank` reads from remote rank `remote_rank`.
 
-    `local_runs` / `remote_runs` are each a FULL dual view of their own side (the
-    `local_descriptors` order, their own T/N_phys/N_log), entry for entry the same byte length,
-    each entry cut to the slice this pair moves. `active` names the components this source
-    gives ("kv", "x", "B", "C", "ssm"); `descriptor_ids` skips the others (their entries still
-    point at valid, duplicate bytes of this source, so preparing them is harmless).
+    `view` says which descriptor view both lists use:
+      "fine":   `local_runs` / `remote_runs` are each a FULL dual view of their own side (the
+                `local_descriptors` order, their own T/N_phys/N_log), entry for entry the same
+                byte length, each entry cut to the slice this pair moves.
+      "coarse": each is the coarse view of its side (`descriptors.coarse_runs`: whole attention
+                pages, whole state pages less padding), for a pair that needs no slicing.
+    `active` names the components this source gives ("kv", "x", "B", "C", "ssm"); the fine
+    `descriptor_ids` skips the others (their entries still point at valid, duplicate bytes of
+    this source, so preparing them is harmless). A coarse read is always fully active.
     """
 
     remote_rank: int
@@ -144,13 +250,19 @@ class SourceRead:
     remote_runs: tuple[DescRun, ...]
     local: RankLayout
     remote: RankLayout
+    view: View = "fine"
 
     @property
     def serves_attention(self) -> bool:
         return "kv" in self.active
 
+    @property
+    def coarse(self) -> bool:
+        return self.view == "coarse"
+
     def local_descriptors(self) -> list[tuple[int, int, int]]:
-        """This source's local (split) descriptor list, on the local device."""
+        """This source's local descriptor list (split in the fine view), on the local device:
+        `2T*N_phys + 4T*N_log` entries (fine) or `T*N_log` per kind present (coarse)."""
         return expand_runs(self.local_runs, self.local.device_id)
 
     def remote_descriptors(self) -> list[tuple[int, int, int]]:
@@ -164,41 +276,42 @@ class SourceRead:
     ) -> tuple[list[int], list[int]]:
         """(local ids, remote ids) of one request, equal lengths, pairwise equal byte lengths.
 
-        Both take LOGICAL page ids per group (plan order); attention ids expand with each
-        side's own ratio. When the ratios differ, the two kernel lists (both starting at the
-        request's first token) are cut to the shorter; a sliding-window group, or lists that
-        are not aligned (e.g. a partial prefix hit), raise. Mamba lists must be equally long.
+        Both take LOGICAL page ids per group (plan order). Coarse view: `coarse_descriptor_ids`
+        on each side (a page is one id per region). Fine view: attention ids expand with each
+        side's own ratio; when the ratios differ, the two kernel lists (both starting at the
+        request's first token) are cut to the shorter. Lists that do not cover the same tokens
+        raise: unequal lengths at equal ratios (always so in the coarse view), or, at unequal
+        ratios, a sliding-window group or lists that are not aligned (e.g. a partial prefix
+        hit); Mamba lists must be equally long. Cost: proportional to the ids returned
+        (coarse: `T*pages` per group; a 64-page Nano request: 408 per side), never to N_phys
+        or N_log.
         """
-        kinds = self.local.group_kinds
+        loc, rem = self.local, self.remote
+        kinds = loc.group_kinds
         if not len(local_ids_per_group) == len(remote_ids_per_group) == len(kinds):
             raise ValueError(f"block id lists per group must match the {len(kinds)} groups")
-        lr, rr = self.local.ratio, self.remote.ratio
-        local_k: list[list[int]] = []
-        remote_k: list[list[int]] = []
-        for g, (kind, lids, rids) in enumerate(
-            zip(kinds, local_ids_per_group, remote_ids_per_group, strict=True)
-        ):
-            if kind in FA_KINDS:
-                lk, rk = expand_kernel_ids(lids, lr), expand_kernel_ids(rids, rr)
-                n = min(len(lk), len(rk))
-                if len(lk) != len(rk) and (
-                    lr == rr or kind != "full_attention" or max(len(lk), len(rk)) - n >= max(lr, rr)
-                ):
-                    raise ValueError(
-                        f"group {g} ({kind}): {len(lids)} local pages (ratio {lr}) do not cover "
-                        f"the same tokens as {len(rids)} remote pages (ratio {rr}); trim the "
-                        "lists to the same tokens first (e.g. remote[-len(local):])"
-                    )
-                lk, rk = lk[:n], rk[:n]
-            else:
+        lr, rr = loc.ratio, rem.ratio
+        if self.view == "coarse":  # equal ratios: aligned lists have equal lengths
+            for g, (kind, lids, rids) in enumerate(
+                zip(kinds, local_ids_per_group, remote_ids_per_group, strict=True)
+            ):
                 if len(lids) != len(rids):
-                    raise ValueError(f"group {g} (mamba): {len(lids)} != {len(rids)} pages")
-                lk, rk = list(lids), list(rids)
-            local_k.append(lk)
-            remote_k.append(rk)
+                    _pair_kernels(g, kind, lids, rids, lr, rr)  # raises, naming the group
+            return (
+                coarse_descriptor_ids(kinds, local_ids_per_group, loc.num_regions, loc.n_log),
+                coarse_descriptor_ids(kinds, remote_ids_per_group, rem.num_regions, rem.n_log),
+            )
+        kernels = [
+            _pair_kernels(g, kind, lids, rids, lr, rr)
+            if len(lids) != len(rids) or lr != rr
+            else len(lids) * lr  # equal ratios and lengths: aligned (Mamba: unused)
+            for g, (kind, lids, rids) in enumerate(
+                zip(kinds, local_ids_per_group, remote_ids_per_group, strict=True)
+            )
+        ]
         return (
-            _view_ids(self.local, local_k, self.active),
-            _view_ids(self.remote, remote_k, self.active),
+            _side_ids(loc, local_ids_per_group, kernels, self.active),
+            _side_ids(rem, remote_ids_per_group, kernels, self.active),
         )
 
 
@@ -214,10 +327,33 @@ class ReadPlan:
     def remote_ranks(self) -> list[int]:
         return [s.remote_rank for s in self.reads]
 
+    def request_ids(
+        self,
+        local_ids_per_group: Sequence[Sequence[int]],
+        remote_ids_per_group: Sequence[Sequence[int]],
+    ) -> list[tuple[list[int], list[int]]]:
+        """`SourceRead.descriptor_ids` of every read, in order: the per-request control-plane
+        work of this decode rank (what a benchmark times)."""
+        return [r.descriptor_ids(local_ids_per_group, remote_ids_per_group) for r in self.reads]
 
-def plan_reads(local: RankLayout, remotes: Mapping[int, RankLayout]) -> ReadPlan:
+
+def request_ids(
+    read: SourceRead,
+    local_ids_per_group: Sequence[Sequence[int]],
+    remote_ids_per_group: Sequence[Sequence[int]],
+) -> tuple[list[int], list[int]]:
+    """`read.descriptor_ids(...)`: the (local, remote) ids of one request, for benchmarks."""
+    return read.descriptor_ids(local_ids_per_group, remote_ids_per_group)
+
+
+def plan_reads(
+    local: RankLayout, remotes: Mapping[int, RankLayout], *, allow_coarse: bool = True
+) -> ReadPlan:
     """The transfer plan of decode rank `local.tp_rank` given the layouts advertised by the
-    prefill ranks (keyed by remote rank; at least the `source_ranks`, one shared tp_size)."""
+    prefill ranks (keyed by remote rank; at least the `source_ranks`, one shared tp_size).
+
+    A pair that needs no slicing (`coarse_pair`: equal TP, ratio, page bytes and components)
+    reads in the coarse view unless `allow_coarse` is False (then every read is fine)."""
     if not remotes:
         raise ValueError("no remote layouts")
     remote_tp = next(iter(remotes.values())).tp_size
@@ -256,8 +392,18 @@ def plan_reads(local: RankLayout, remotes: Mapping[int, RankLayout]) -> ReadPlan
                     raise ValueError(f"remote {ls.name} slices overlap partially")  # defensive
                 seen[ls.name].append(span)
                 active.add(ls.name)
-        reads.append(
-            SourceRead(
+        if allow_coarse and coarse_pair(local, remote):
+            read = SourceRead(
+                q,
+                frozenset(active),
+                coarse_runs(local),
+                coarse_runs(remote),
+                local,
+                remote,
+                "coarse",
+            )
+        else:
+            read = SourceRead(
                 q,
                 frozenset(active),
                 view_runs(local, local_pieces),
@@ -265,23 +411,71 @@ def plan_reads(local: RankLayout, remotes: Mapping[int, RankLayout]) -> ReadPlan
                 local,
                 remote,
             )
-        )
+        reads.append(read)
     for s in mine:
         if sum(len(span) for span in seen[s.name]) != len(s.held):
             raise ValueError(f"the sources do not cover this rank's {s.name} units")
     return ReadPlan(local, remote_tp, tuple(reads))
 
 
-def _view_ids(
-    layout: RankLayout, kernel_ids_per_group: Sequence[Sequence[int]], active: frozenset[str]
+def coarse_pair(local: RankLayout, remote: RankLayout) -> bool:
+    """Whether every page of `remote` can move whole into a page of `local`: equal TP and rank,
+    equal ratio and page bytes, identical components (`slabs`: heads/groups held, offsets,
+    units, hence equal state bytes and conv layout) and the same groups."""
+    return (
+        local.tp_size == remote.tp_size
+        and local.tp_rank == remote.tp_rank
+        and local.ratio == remote.ratio
+        and local.page_bytes == remote.page_bytes
+        and local.num_regions == remote.num_regions
+        and local.group_kinds == remote.group_kinds
+        and local.conv_layout == remote.conv_layout
+        and slabs(local) == slabs(remote)
+    )
+
+
+def _pair_kernels(
+    g: int, kind: str, lids: Sequence[int], rids: Sequence[int], lr: int, rr: int
+) -> int:
+    """Kernel blocks (attention) or pages (Mamba) the pair moves in group `g`: for attention
+    `n = min(len(lids)*lr, len(rids)*rr)`, refused unless both lists cover the same tokens
+    (equal ratios: equal lengths; else full attention, differing by less than one page)."""
+    if kind in FA_KINDS:
+        nl, nr = len(lids) * lr, len(rids) * rr
+        n = min(nl, nr)
+        if nl != nr and (lr == rr or kind != "full_attention" or max(nl, nr) - n >= max(lr, rr)):
+            raise ValueError(
+                f"group {g} ({kind}): {len(lids)} local pages (ratio {lr}) do not cover "
+                f"the same tokens as {len(rids)} remote pages (ratio {rr}); trim the "
+                "lists to the same tokens first (e.g. remote[-len(local):])"
+            )
+        return n
+    if kind != "mamba":
+        raise ValueError(f"unknown group kind {kind!r}")
+    if len(lids) != len(rids):
+        raise ValueError(f"group {g} (mamba): {len(lids)} != {len(rids)} pages")
+    return len(lids)
+
+
+def _side_ids(
+    layout: RankLayout,
+    ids_per_group: Sequence[Sequence[int]],
+    kernels: Sequence[int],
+    active: frozenset[str],
 ) -> list[int]:
-    return descriptor_ids(
+    """Dual-view ids of one side: logical ids checked against `N_log`, attention expanded with
+    this side's ratio and cut to `kernels[g]` kernel blocks."""
+    spans = []
+    for kind, ids, n in zip(layout.group_kinds, ids_per_group, kernels, strict=True):
+        _check_ids(ids, layout.n_log, "page")
+        spans.append(kernel_spans(ids, layout.ratio, n) if kind in FA_KINDS else [])
+    return _dual_ids(
         layout.group_kinds,
-        kernel_ids_per_group,
+        spans,
+        ids_per_group,
         layout.num_regions,
         layout.n_phys,
         layout.n_log,
-        1,
         active,
     )
 

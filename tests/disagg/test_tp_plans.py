@@ -13,6 +13,7 @@ from hybridserve.disagg import (
     plan_reads,
     source_ranks,
 )
+from hybridserve.disagg.descriptors import coarse_runs
 
 FA, M = "full_attention", "mamba"
 NANO_PAGE_TP1 = 2_138_112
@@ -107,22 +108,33 @@ def test_nano_prefill_tp2_to_decode_tp1(j):
 def test_plan_lists_have_matching_shapes():
     for d_tp, p_tp in [(1, 1), (2, 1), (1, 2), (4, 1), (1, 4), (2, 4)]:
         local = nano(d_tp, rank=d_tp - 1, num_pages=3)
-        plan = plan_reads(local, prefill_ranks(nano_config(), p_tp, num_pages=5))
+        remotes = prefill_ranks(nano_config(), p_tp, num_pages=5)
+        plan = plan_reads(local, remotes, allow_coarse=False)  # (1, 1) would be coarse
         for read in plan.reads:
+            assert read.view == "fine"
             assert len(read.local_runs) == len(read.remote_runs) == 12 + 24
             for lr, rr in zip(read.local_runs, read.remote_runs, strict=True):
                 assert lr.length == rr.length > 0
             assert len(read.local_descriptors()) == 2 * 6 * 3 * local.ratio + 4 * 6 * 3
             assert len(read.remote_descriptors()) == 2 * 6 * 5 * read.remote.ratio + 4 * 6 * 5
+    # the coarse view of TP1 -> TP1: T*N_log attention pages + T*N_log state pages per side
+    (read,) = plan_reads(nano(1, num_pages=3), prefill_ranks(nano_config(), 1, num_pages=5)).reads
+    assert read.view == "coarse" and len(read.local_runs) == len(read.remote_runs) == 6 + 6
+    assert len(read.local_descriptors()) == 2 * 6 * 3
+    assert len(read.remote_descriptors()) == 2 * 6 * 5
 
 
 def test_equal_tp_moves_whole_subdescriptors():
     local = nano(2, rank=1)
     remotes = prefill_ranks(nano_config(), 2)
-    (read,) = plan_reads(local, remotes).reads
-    assert read.remote_rank == 1
+    (read,) = plan_reads(local, remotes, allow_coarse=False).reads
+    assert read.remote_rank == 1 and read.view == "fine"
     assert read.local_runs == local_runs(local)
     assert read.remote_runs == local_runs(remotes[1])
+    (read,) = plan_reads(local, remotes).reads  # by default: whole pages
+    assert read.remote_rank == 1 and read.coarse
+    assert read.local_runs == coarse_runs(local)
+    assert read.remote_runs == coarse_runs(remotes[1])
 
 
 @pytest.mark.parametrize("r, group", [(0, 0), (1, 0), (2, 1), (3, 1)])
@@ -190,9 +202,13 @@ def test_sd_layout_with_unequal_tp_says_use_ds():
     local = make_layout(cfg, 2, 0, layout="SD")
     with pytest.raises(ValueError, match="HYBRIDSERVE_SSM_CONV_LAYOUT=DS"):
         plan_reads(local, prefill_ranks(cfg, 1, layout="SD"))
-    # equal TP: the conv moves verbatim, in three consecutive byte chunks
-    (read,) = plan_reads(local, prefill_ranks(cfg, 2, layout="SD")).reads
+    # equal TP: the conv moves verbatim, in three consecutive byte chunks (fine view) or with
+    # the ssm as one state descriptor per page (coarse view)
+    remotes = prefill_ranks(cfg, 2, layout="SD")
+    (read,) = plan_reads(local, remotes, allow_coarse=False).reads
     assert read.local_runs == local_runs(local)
+    (read,) = plan_reads(local, remotes).reads
+    assert read.coarse and read.local_runs == coarse_runs(local)
 
 
 def test_plan_refuses_inconsistent_remotes():
@@ -232,10 +248,12 @@ def test_pair_ids_expand_each_side_with_its_own_ratio():
     assert fa == len(kinds) - 1
 
 
-def test_pair_ids_refuse_misaligned_lists():
+@pytest.mark.parametrize("allow_coarse", [True, False])
+def test_pair_ids_refuse_misaligned_lists(allow_coarse):
     cfg = tiny_config()
     local = make_layout(cfg, 1, 0)
-    (read,) = plan_reads(local, prefill_ranks(cfg, 1)).reads
+    (read,) = plan_reads(local, prefill_ranks(cfg, 1), allow_coarse=allow_coarse).reads
+    assert read.coarse == allow_coarse
     with pytest.raises(ValueError, match="trim the lists"):
         read.descriptor_ids([[1], [2], [3]], [[1], [2], [3, 4]])  # equal ratios, 1 vs 2 pages
     with pytest.raises(ValueError, match="mamba"):
