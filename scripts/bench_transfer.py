@@ -52,9 +52,20 @@ def _regions(num_pages: int, page_bytes: int, count: int, device, fill: int):
     import jax
     import jax.numpy as jnp
 
+    if os.environ.get("BENCH_ALLOC") == "torch" and device.platform == "gpu":
+        # torch's caching allocator (cudaMalloc), to compare with XLA's allocator under UCX
+        import torch
+
+        torch.cuda.set_device(device.id)
+        size = num_pages * page_bytes
+        bufs = [
+            torch.full((size,), fill + i, dtype=torch.uint8, device="cuda") for i in range(count)
+        ]
+        torch.cuda.synchronize()
+        return [jnp.from_dlpack(b) for b in bufs], bufs
     with jax.default_device(device):
         regions = [jnp.full((num_pages * page_bytes,), fill + i, jnp.uint8) for i in range(count)]
-    return jax.block_until_ready(regions)
+    return jax.block_until_ready(regions), None
 
 
 def _addr(x) -> int:
@@ -73,7 +84,7 @@ def _prefill(conn, gpu: int | None, num_pages: int) -> None:
     from hybridserve.disagg.transport import NixlTransport
 
     cfg, plan = _nano_plan()
-    regions = _regions(num_pages, plan.page_size_bytes, plan.num_regions, _device(gpu), 1)
+    regions, _keep = _regions(num_pages, plan.page_size_bytes, plan.num_regions, _device(gpu), 1)
     dev = gpu or 0
     mem = "VRAM" if gpu is not None else "DRAM"
     transport = NixlTransport("bench-prefill", [(_addr(r), r.size, dev) for r in regions], mem)
@@ -124,7 +135,7 @@ def _decode(args, host: str, port: int) -> dict:
     gpu = args.gpu[1] if args.gpu else None
     cfg, plan = _nano_plan()
     device = _device(gpu)
-    regions = _regions(args.num_pages, plan.page_size_bytes, plan.num_regions, device, 100)
+    regions, _keep = _regions(args.num_pages, plan.page_size_bytes, plan.num_regions, device, 100)
     dev = gpu or 0
     mem = "VRAM" if gpu is not None else "DRAM"
     transport = NixlTransport("bench-decode", [(_addr(r), r.size, dev) for r in regions], mem)
@@ -168,7 +179,7 @@ def _decode(args, host: str, port: int) -> dict:
             "--num-pages or lower --request-pages"
         )
     raw_l = transport.prepare([(_addr(regions[0]), nbytes, dev)])
-    raw_r = transport.prepare([(remote.region_bases[0], nbytes, dev)], peer=agent)
+    raw_r = transport.prepare([(remote.region_bases[0], nbytes, remote.device_id)], peer=agent)
     rows["raw NIXL READ"] = (
         nbytes,
         _timed(transport, "READ", raw_l, [0], raw_r, [0], args.repeats),
@@ -250,7 +261,11 @@ def main() -> None:
     raw = result["rows"]["raw NIXL READ"]
     raw_rate = raw[0] / raw[1]
     where = f"GPU {args.gpu[0]} -> GPU {args.gpu[1]}" if args.gpu else "CPU memory"
-    print(f"one request of the Nano-30B shape, {where}; NIXL backend {result['backend']}")
+    alloc = os.environ.get("BENCH_ALLOC", "jax")
+    print(
+        f"one request of the Nano-30B shape, {where} ({alloc} allocation); NIXL backend "
+        f"{result['backend']}"
+    )
     print(f"{'path':<22} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'vs raw':>7}")
     for name, (nbytes, sec) in result["rows"].items():
         rate = nbytes / sec
