@@ -26,15 +26,22 @@ from hybridserve.api import DEFAULT_MODEL
 
 
 def run_level(model: str, concurrency: int, args: argparse.Namespace) -> dict:
-    llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              max_num_seqs=concurrency,
-              max_num_batched_tokens=max(args.input_len, concurrency) + concurrency,
-              max_prefill_chunk=args.input_len, enable_prefix_caching=False, progress=False)
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len + 16,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=max(args.input_len, concurrency) + concurrency,
+        max_prefill_chunk=args.input_len,
+        enable_prefix_caching=False,
+        progress=False,
+    )
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     n = concurrency * args.rounds
-    prompts = [{"prompt_token_ids": rng.integers(2, vocab, args.input_len).tolist()}
-               for _ in range(n)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(2, vocab, args.input_len).tolist()} for _ in range(n)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warmup: compiles every bucket used
     start = time.perf_counter()
@@ -42,9 +49,14 @@ def run_level(model: str, concurrency: int, args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = [o.metrics.time_to_first_token for o in outs]
-    return {"concurrency": concurrency, "requests": n, "output_tokens": tokens,
-            "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
-            "mean_ttft_ms": 1000 * float(np.mean(ttft))}
+    return {
+        "concurrency": concurrency,
+        "requests": n,
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tokens_per_s": tokens / elapsed,
+        "mean_ttft_ms": 1000 * float(np.mean(ttft)),
+    }
 
 
 def main() -> None:
@@ -60,13 +72,20 @@ def main() -> None:
     rows = [run_level(args.model, c, args) for c in args.concurrency]
     print(f"{'concurrency':>11} {'requests':>8} {'out tok/s':>10} {'mean TTFT ms':>12}")
     for r in rows:
-        print(f"{r['concurrency']:>11} {r['requests']:>8} {r['output_tokens_per_s']:>10.1f} "
-              f"{r['mean_ttft_ms']:>12.1f}")
+        print(
+            f"{r['concurrency']:>11} {r['requests']:>8} {r['output_tokens_per_s']:>10.1f} "
+            f"{r['mean_ttft_ms']:>12.1f}"
+        )
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or
-                platform.machine(), "commit": commit, "args": vars(args) | {"json": None}}
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(),
+            "commit": commit,
+            "args": vars(args) | {"json": None},
+        }
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
 
 

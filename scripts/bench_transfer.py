@@ -78,16 +78,16 @@ def _device(index: int | None):
     return jax.devices("gpu")[index] if index is not None else jax.devices("cpu")[0]
 
 
-def _prefill(conn, gpu: int | None, num_pages: int) -> None:
+def _side(name: str, gpu: int | None, num_pages: int, fill: int):
+    """One side's regions (allocated on its device), its NIXL agent over them and its layout."""
     from hybridserve.disagg.descriptors import RankLayout
-    from hybridserve.disagg.handshake import HandshakeServer
     from hybridserve.disagg.transport import NixlTransport
 
     cfg, plan = _nano_plan()
-    regions, _keep = _regions(num_pages, plan.page_size_bytes, plan.num_regions, _device(gpu), 1)
+    regions, keep = _regions(num_pages, plan.page_size_bytes, plan.num_regions, _device(gpu), fill)
     dev = gpu or 0
     mem = "VRAM" if gpu is not None else "DRAM"
-    transport = NixlTransport("bench-prefill", [(_addr(r), r.size, dev) for r in regions], mem)
+    transport = NixlTransport(name, [(_addr(r), r.size, dev) for r in regions], mem)
     layout = RankLayout.from_plan(
         plan,
         cfg,
@@ -96,6 +96,13 @@ def _prefill(conn, gpu: int | None, num_pages: int) -> None:
         num_pages=num_pages,
         device_id=dev,
     )
+    return regions, keep, transport, layout, plan
+
+
+def _prefill(conn, gpu: int | None, num_pages: int) -> None:
+    from hybridserve.disagg.handshake import HandshakeServer
+
+    _regions_, _keep, transport, layout, _plan = _side("bench-prefill", gpu, num_pages, 1)
     server = HandshakeServer(
         {"agent_metadata": transport.metadata(), "layouts": [layout.to_dict()]},
         lambda request: None,
@@ -130,23 +137,10 @@ def _decode(args, host: str, port: int) -> dict:
     from hybridserve.disagg.descriptors import RankLayout
     from hybridserve.disagg.handshake import fetch_peer
     from hybridserve.disagg.tp_mapping import plan_reads
-    from hybridserve.disagg.transport import NixlTransport
 
     gpu = args.gpu[1] if args.gpu else None
-    cfg, plan = _nano_plan()
-    device = _device(gpu)
-    regions, _keep = _regions(args.num_pages, plan.page_size_bytes, plan.num_regions, device, 100)
+    regions, _keep, transport, local, plan = _side("bench-decode", gpu, args.num_pages, 100)
     dev = gpu or 0
-    mem = "VRAM" if gpu is not None else "DRAM"
-    transport = NixlTransport("bench-decode", [(_addr(r), r.size, dev) for r in regions], mem)
-    local = RankLayout.from_plan(
-        plan,
-        cfg,
-        tp_rank=0,
-        region_bases=[_addr(r) for r in regions],
-        num_pages=args.num_pages,
-        device_id=dev,
-    )
     info = fetch_peer(host, port, {})
     remote = RankLayout.from_dict(info["layouts"][0])
     agent = transport.add_peer(info["agent_metadata"])
