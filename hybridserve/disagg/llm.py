@@ -187,6 +187,9 @@ class DisaggregatedLLM:
         """Each worker's engine statistics (plus held pages and pages in use)."""
         result = {}
         for name, worker in (("prefill", self.prefill), ("decode", self.decode)):
+            if not worker.process.is_alive():
+                result[name] = {"dead": worker.process.exitcode}
+                continue
             worker.send({"op": "stats"})
             while (message := worker.recv(10)) is not None and "stats" not in message:
                 pass

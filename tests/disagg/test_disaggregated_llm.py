@@ -28,6 +28,68 @@ def _colocated(directory, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_processes_with_heterogeneous_tp_match_colocated(hf_checkpoint, prefill_tp, decode_tp):
+    directory = hf_checkpoint("nemotron_h")[0]
+    prompts = _prompts(32, seed=4)
+    want = _colocated(directory, prompts)
+    with DisaggregatedLLM(
+        directory,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want
+        stats = llm.stats()
+        assert stats["decode"]["pages_used"] == 0 and stats["prefill"]["held"] == 0
+
+
+def test_decode_process_killed_mid_transfer_frees_prefill_pages(hf_checkpoint):
+    directory = hf_checkpoint("nemotron_h")[0]
+    with DisaggregatedLLM(
+        directory, dtype="float32", max_model_len=128, max_num_seqs=8, lease_s=2.0
+    ) as llm:
+        prompts = {f"r{i}": p["prompt_token_ids"] for i, p in enumerate(_prompts(8, seed=6))}
+        for req_id, ids in prompts.items():
+            llm.prefill.send(
+                {
+                    "op": "add",
+                    "req_id": req_id,
+                    "prompt_token_ids": ids,
+                    "params": {"max_tokens": 4},
+                    "kv": {"do_remote_decode": True},
+                }
+            )
+        handed = 0
+        while handed < 8:
+            message = llm.prefill.recv(60)
+            assert message is not None, "the prefill worker went quiet"
+            if "output" in message:
+                out = message["output"]
+                llm.decode.send(
+                    {
+                        "op": "add",
+                        "req_id": out["req_id"],
+                        "prompt_token_ids": prompts[out["req_id"]],
+                        "params": {"max_tokens": 4},
+                        "kv": out["kv"],
+                    }
+                )
+                handed += 1
+        llm.decode.process.kill()  # reads may be in flight
+        llm.decode.process.join()
+        assert "dead" in llm.stats()["decode"]
+        deadline = time.monotonic() + 15
+        while llm.stats()["prefill"]["pages_used"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        final = llm.stats()["prefill"]
+        assert final["pages_used"] == 0 and final["held"] == 0
+
+
 def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(32)
