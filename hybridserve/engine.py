@@ -229,10 +229,10 @@ class LLMEngine:
         self._deferred = still
 
     def _transfer_failed(self, req_id: str, reason: str) -> None:
-        if self.connector.config.failure_policy == "recompute":
-            self.scheduler.finish_remote_kv(req_id, ok=False)
-            return
+        """The request recomputes locally, or (policy "fail") ends with `reason`."""
         self.scheduler.finish_remote_kv(req_id, ok=False)
+        if self.connector.config.failure_policy == "recompute":
+            return
         self.scheduler.finish_request(req_id, "abort", stop_reason=reason)
         tracked = self._tracked.pop(req_id)
         self._ready.append(self._output(tracked, True, time.perf_counter()))

@@ -41,6 +41,15 @@ DTYPE_BYTES = {
 CONV_LAYOUT_ENV = "HYBRIDSERVE_SSM_CONV_LAYOUT"
 
 
+DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """The array dtype name of a cache dtype (validated; "fp8" means float8_e4m3fn)."""
+    dtype_bytes(dtype)
+    return DTYPE_ALIASES.get(dtype, dtype)
+
+
 def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]

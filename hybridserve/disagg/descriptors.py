@@ -51,6 +51,7 @@ from hybridserve.kv_spec import (
     CachePlan,
     FullAttentionSpec,
     MambaSpec,
+    canonical_dtype,
     dtype_bytes,
     replicated_size,
 )
@@ -60,7 +61,6 @@ GROUP_KINDS = (*FA_KINDS, "mamba")
 MAMBA_PARTS = ("x", "B", "C", "ssm")  # j in s = 4i + j
 COMPONENTS = ("kv", *MAMBA_PARTS)
 ALL_COMPONENTS = frozenset(COMPONENTS)
-DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
 DS_HINT = "set HYBRIDSERVE_SSM_CONV_LAYOUT=DS on both prefill and decode"
 # Not in the compatibility key: they may differ between prefill and decode (or between ranks).
 PER_SIDE_FIELDS = frozenset(
@@ -167,7 +167,7 @@ class RankLayout:
             fields.update(
                 kv_heads=a.num_kv_heads,
                 head_dim=attn[0].head_dim,
-                kv_dtype=_canonical(attn[0].dtype),
+                kv_dtype=canonical_dtype(attn[0].dtype),
                 sliding_window=a.sliding_window or 0,
             )
         mamba = [g.spec for g in plan.groups if isinstance(g.spec, MambaSpec)]
@@ -179,8 +179,8 @@ class RankLayout:
                 state_size=m.state_size,
                 n_groups=m.n_groups,
                 conv_rows=spec.conv_rows,
-                conv_dtype=_canonical(spec.conv_dtype),
-                ssm_dtype=_canonical(spec.ssm_dtype),
+                conv_dtype=canonical_dtype(spec.conv_dtype),
+                ssm_dtype=canonical_dtype(spec.ssm_dtype),
                 conv_layout=spec.layout,
             )
         layout = cls(
@@ -311,11 +311,6 @@ def check_compatible(local: RankLayout, remote: RankLayout) -> None:
                 f"prefill/decode cache layouts disagree on {name}: "
                 f"local {a[name]!r}, remote {b[name]!r}"
             )
-
-
-def _canonical(dtype: str) -> str:
-    dtype_bytes(dtype)  # validates
-    return DTYPE_ALIASES.get(dtype, dtype)
 
 
 def _plain(value: Any) -> Any:

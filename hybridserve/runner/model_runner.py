@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.config import ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
-from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec
+from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec, canonical_dtype
 from hybridserve.layers.cache_view import (
     AttentionAccess,
     CacheLayout,
@@ -39,8 +39,6 @@ from hybridserve.runner.input_batch import (
     table_width,
     token_buckets,
 )
-
-DTYPE_NAMES = {"fp8": "float8_e4m3fn"}
 
 
 def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
@@ -61,7 +59,7 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
                     m.n_groups,
                     m.state_size,
                     spec.conv_rows,
-                    DTYPE_NAMES.get(spec.conv_dtype, spec.conv_dtype),
+                    canonical_dtype(spec.conv_dtype),
                     spec.ssm_shape,
                     spec.ssm_dtype,
                     spec.layout,
@@ -74,7 +72,7 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
                     a.num_kv_heads,
                     spec.num_kv_heads,
                     spec.head_dim,
-                    DTYPE_NAMES.get(spec.dtype, spec.dtype),
+                    canonical_dtype(spec.dtype),
                     plan.kernel_block_size,
                     getattr(spec, "sliding_window", None),
                 )
