@@ -28,10 +28,19 @@ equal ratio hence equal page bytes, equal conv layout; each page then moves whol
        (a full attention page is all data: `ratio` kernel pages of exactly K + V)
   SSM: for i in 0..T-1: S_i[0..N_log-1], S_i[b] = `(A_i + b*page, state)`   -> T * N_log entries
        (x|B|C|ssm are contiguous in DS and SD alike; `state = conv + ssm`, padding excluded)
-Coarse ids (`tp_mapping.coarse_descriptor_ids`; logical ids, no ratio expansion): attention
-`i*N_log + p`, Mamba `fa + i*N_log + b` with `fa = T*N_log` (0 without FA). A 64-page request of
-Nemotron-3-Nano-30B (T = 6, one attention group, 4 Mamba groups of 1 page) gives
-`6*64 + 4*6*1 = 408` ids per side instead of `12*64*261 + 4*24 = 200,544` in the dual view.
+  LVL: merge levels, attention only: for k in 1..L, for i in 0..T-1: M^k_i[0..N_log-2^k],
+       M^k_i[p] = `(A_i + p*page, 2^k * page)` (2^k whole pages from p) -> T*(N_log-2^k+1) each
+       `L = min(MERGE_LEVELS, floor(log2 N_log))` (6: up to 64 pages; no level wider than the
+       pool, no clipped entry). State pages are never merged (their padding is not data).
+       The levels add fewer than `L*T*N_log` entries to the list prepared once per pair.
+Coarse ids (`coarse_view`; logical ids, no ratio expansion): attention `i*N_log + p`, Mamba
+`fa + i*N_log + b` with `fa = T*N_log` (0 without FA); `2^k` pages from p at level k:
+`B_k + i*(N_log - 2^k + 1) + p`, `B_k = (1+m)*T*N_log + T*((k-1)*(N_log+1) - 2^k + 2)` (m = 1
+with Mamba, else 0). `coarse_view.coarse_pair_ids` cuts joint runs of consecutive pages (both
+sides) into power-of-two pieces. A 64-page consecutive request of Nemotron-3-Nano-30B (T = 6,
+one attention group, 4 Mamba groups of 1 page) gives `6*1 + 4*6*1 = 30` ids per side (one
+64-page piece per region); unmerged `6*64 + 24 = 408`; the dual view `12*64*261 + 4*24 =
+200,544`.
 
 Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
 (rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).
@@ -61,6 +70,7 @@ GROUP_KINDS = (*FA_KINDS, "mamba")
 MAMBA_PARTS = ("x", "B", "C", "ssm")  # j in s = 4i + j
 COMPONENTS = ("kv", *MAMBA_PARTS)
 ALL_COMPONENTS = frozenset(COMPONENTS)
+MERGE_LEVELS = 6  # coarse attention descriptors of up to 2**6 consecutive pages
 DS_HINT = "set HYBRIDSERVE_SSM_CONV_LAYOUT=DS on both prefill and decode"
 # Not in the compatibility key: they may differ between prefill and decode (or between ranks).
 PER_SIDE_FIELDS = frozenset(
@@ -375,22 +385,35 @@ def local_descriptors(layout: RankLayout) -> list[tuple[int, int, int]]:
     return expand_runs(local_runs(layout), layout.device_id)
 
 
+def coarse_levels(n_log: int) -> int:
+    """The merge levels L of a coarse view of `n_log` pages: `min(MERGE_LEVELS, floor(log2))`."""
+    return min(MERGE_LEVELS, n_log.bit_length() - 1)
+
+
 def coarse_runs(layout: RankLayout) -> tuple[DescRun, ...]:
     """The coarse view of `layout` (module docstring) as runs: per region `(A_i, page, N_log,
-    page)` for attention, then per region `(A_i, page, N_log, state_bytes)` for Mamba."""
+    page)` for attention, then per region `(A_i, page, N_log, state_bytes)` for Mamba, then (with
+    attention) for k in 1..L per region `(A_i, page, N_log - 2^k + 1, 2^k * page)`."""
     page, n = layout.page_bytes, layout.n_log
     runs: list[DescRun] = []
     if layout.has_attention:
         runs += [DescRun(base, page, n, page) for base in layout.region_bases]
     if layout.has_mamba:
         runs += [DescRun(base, page, n, layout.state_bytes) for base in layout.region_bases]
+    if layout.has_attention:
+        for k in range(1, coarse_levels(n) + 1):
+            w = 1 << k
+            runs += [DescRun(base, page, n - w + 1, w * page) for base in layout.region_bases]
     return tuple(runs)
 
 
 def coarse_view_size(layout: RankLayout) -> int:
-    """Entries in the coarse view: `T*N_log` per kind present (attention, Mamba)."""
+    """Entries in the coarse view: `T*N_log` per kind present (attention, Mamba), plus
+    `T*(N_log - 2^k + 1)` for each merge level k in 1..L with attention."""
     kinds = int(layout.has_attention) + int(layout.has_mamba)
-    return kinds * layout.num_regions * layout.n_log
+    t, n = layout.num_regions, layout.n_log
+    levels = range(1, coarse_levels(n) + 1) if layout.has_attention else range(0)
+    return kinds * t * n + sum(t * (n - (1 << k) + 1) for k in levels)
 
 
 def view_size(layout: RankLayout) -> int:

@@ -5,10 +5,15 @@ Block ids -> descriptor ids (`descriptor_ids`), per group in plan order, region-
       `r*N_phys + k`, r in 0..2T-1 (r = 2i for K_i, 2i+1 for V_i)
   mamba (logical ids b): `2T*N_phys + (4i + j)*N_log + b`, j in (x, B, C, ssm), i in 0..T-1
   (the `2T*N_phys` term only when the model has an attention group).
-Coarse view (`coarse_descriptor_ids`, `descriptors.coarse_runs`), chosen by `plan_reads` for a
-pair that needs no slicing (equal TP, ratio, page and state bytes, conv layout): logical ids,
-attention `i*N_log + p`, Mamba `T*N_log + i*N_log + b` (the `T*N_log` only with attention).
-A 64-page Nemotron-3-Nano-30B request at TP2 -> TP2: 408 ids per side (coarse), 200,544 (dual).
+Coarse view (`coarse_view`, `descriptors.coarse_runs`), chosen by `plan_reads` for a pair that
+needs no slicing (equal TP, ratio, page and state bytes, conv layout): logical ids, attention
+`i*N_log + p`, Mamba `T*N_log + i*N_log + b` (the `T*N_log` only with attention), then merge
+levels k = 1..L (L <= 6, attention only): the 2^k pages from p at `B_k + i*(N_log-2^k+1) + p`,
+`B_k = (1+m)*T*N_log + T*((k-1)*(N_log+1) - 2^k + 2)` (m = 1 with Mamba). Per request, joint
+runs of consecutive (local, remote) pages are cut into power-of-two pieces, one id per piece
+and region on each side (`coarse_view.coarse_pair_ids`). A 64-page consecutive
+Nemotron-3-Nano-30B request at TP2 -> TP2: 30 ids per side (6 attention, one 64-page piece per
+region, + 24 Mamba), 408 unmerged, 200,544 in the dual view.
 Per-request cost: proportional to the ids produced, never to N_phys or N_log; the dual view's
 attention ids are emitted as `range`s of adjacent kernel blocks (`list += range`, C speed).
 
@@ -36,6 +41,10 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
+from hybridserve.disagg.coarse_view import (
+    coarse_descriptor_ids as coarse_descriptor_ids,  # re-exported
+)
+from hybridserve.disagg.coarse_view import coarse_pair, coarse_pair_ids
 from hybridserve.disagg.descriptors import (
     ALL_COMPONENTS,
     DS_HINT,
@@ -49,8 +58,6 @@ from hybridserve.disagg.descriptors import (
     slabs,
     view_runs,
 )
-
-_FA = frozenset(FA_KINDS)
 
 
 def expand_kernel_ids(ids: Iterable[int], ratio: int) -> list[int]:
@@ -109,53 +116,6 @@ def kernel_spans(ids: Iterable[int], ratio: int, limit: int) -> list[tuple[int, 
         else:
             spans.append((start, stop))
     return spans
-
-
-def coarse_descriptor_ids(
-    kinds: Sequence[str],
-    block_ids_per_group: Sequence[Sequence[int]],
-    num_regions: int,
-    n_log: int,
-) -> list[int]:
-    """Indices into a coarse view (`descriptors.coarse_runs`), per group in order, logical ids:
-    attention `i*n_log + p`, Mamba `fa + i*n_log + b` (i in 0..T-1), `fa = T*n_log` when an
-    attention kind is present, else 0. E.g. T=2, n_log=100, [FA, M] with [[3, 5], [1, 2]]:
-    [3, 5, 103, 105, 201, 202, 301, 302]. Cost: one list comprehension per group over its
-    `T*len(ids)` ids; a single page is one strided `range`, and a run of consecutive pages
-    `[a, a+n)` is one `range(s + a, s + a + n)` per region (C speed)."""
-    if len(block_ids_per_group) != len(kinds):
-        raise ValueError(f"{len(block_ids_per_group)} block id lists for {len(kinds)} groups")
-    span = num_regions * n_log
-    fa = 0 if _FA.isdisjoint(kinds) else span
-    out: list[int] = []
-    for kind, ids in zip(kinds, block_ids_per_group, strict=True):
-        if kind in _FA:
-            start = 0
-        elif kind == "mamba":
-            start = fa
-        else:
-            raise ValueError(f"unknown group kind {kind!r}")
-        n = len(ids)
-        if n == 0:
-            continue
-        run = n == 1 or _consecutive(ids, n)
-        lo, hi = (ids[0], ids[-1]) if run else (min(ids), max(ids))
-        if lo < 0 or hi >= n_log:
-            raise ValueError(f"page id out of range [0, {n_log}): {lo}..{hi}")
-        if n == 1:  # e.g. a Mamba group: one page, T ids `start + i*n_log + b`
-            out += range(start + lo, start + span, n_log)
-        elif run:
-            for s in range(start + lo, start + lo + span, n_log):
-                out += range(s, s + n)
-        else:
-            out += [s + b for s in range(start, start + span, n_log) for b in ids]
-    return out
-
-
-def _consecutive(ids: Sequence[int], n: int) -> bool:
-    """Whether `ids == [a, a+1, ..., a+n-1]` (in this order): O(1) unless the ends say so."""
-    a = ids[0]
-    return ids[-1] - a == n - 1 and (n < 3 or list(ids) == list(range(a, a + n)))
 
 
 def _dual_ids(
@@ -238,7 +198,8 @@ class SourceRead:
                 `local_descriptors` order, their own T/N_phys/N_log), entry for entry the same
                 byte length, each entry cut to the slice this pair moves.
       "coarse": each is the coarse view of its side (`descriptors.coarse_runs`: whole attention
-                pages, whole state pages less padding), for a pair that needs no slicing.
+                pages, whole state pages less padding, then the attention merge levels of 2^k
+                whole pages), for a pair that needs no slicing.
     `active` names the components this source gives ("kv", "x", "B", "C", "ssm"); the fine
     `descriptor_ids` skips the others (their entries still point at valid, duplicate bytes of
     this source, so preparing them is harmless). A coarse read is always fully active.
@@ -262,7 +223,7 @@ class SourceRead:
 
     def local_descriptors(self) -> list[tuple[int, int, int]]:
         """This source's local descriptor list (split in the fine view), on the local device:
-        `2T*N_phys + 4T*N_log` entries (fine) or `T*N_log` per kind present (coarse)."""
+        `2T*N_phys + 4T*N_log` entries (fine) or `descriptors.coarse_view_size` (coarse)."""
         return expand_runs(self.local_runs, self.local.device_id)
 
     def remote_descriptors(self) -> list[tuple[int, int, int]]:
@@ -276,15 +237,16 @@ class SourceRead:
     ) -> tuple[list[int], list[int]]:
         """(local ids, remote ids) of one request, equal lengths, pairwise equal byte lengths.
 
-        Both take LOGICAL page ids per group (plan order). Coarse view: `coarse_descriptor_ids`
-        on each side (a page is one id per region). Fine view: attention ids expand with each
-        side's own ratio; when the ratios differ, the two kernel lists (both starting at the
-        request's first token) are cut to the shorter. Lists that do not cover the same tokens
+        Both take LOGICAL page ids per group (plan order). Coarse view: `coarse_pair_ids` (a
+        piece of 2^k pages consecutive on both sides is one id per region, level-k on each side;
+        each side indexes its own view). Fine view: attention ids expand with each side's own
+        ratio; when the ratios differ, the two kernel lists (both starting at the request's
+        first token) are cut to the shorter. Lists that do not cover the same tokens
         raise: unequal lengths at equal ratios (always so in the coarse view), or, at unequal
         ratios, a sliding-window group or lists that are not aligned (e.g. a partial prefix
         hit); Mamba lists must be equally long. Cost: proportional to the ids returned
-        (coarse: `T*pages` per group; a 64-page Nano request: 408 per side), never to N_phys
-        or N_log.
+        (coarse: one pass over the pages, then `T` ids per piece; a 64-page consecutive Nano
+        request: 30 per side), never to N_phys or N_log.
         """
         loc, rem = self.local, self.remote
         kinds = loc.group_kinds
@@ -297,9 +259,13 @@ class SourceRead:
             ):
                 if len(lids) != len(rids):
                     _pair_kernels(g, kind, lids, rids, lr, rr)  # raises, naming the group
-            return (
-                coarse_descriptor_ids(kinds, local_ids_per_group, loc.num_regions, loc.n_log),
-                coarse_descriptor_ids(kinds, remote_ids_per_group, rem.num_regions, rem.n_log),
+            return coarse_pair_ids(
+                kinds,
+                local_ids_per_group,
+                remote_ids_per_group,
+                loc.num_regions,
+                loc.n_log,
+                rem.n_log,
             )
         kernels = [
             _pair_kernels(g, kind, lids, rids, lr, rr)
@@ -416,22 +382,6 @@ def plan_reads(
         if sum(len(span) for span in seen[s.name]) != len(s.held):
             raise ValueError(f"the sources do not cover this rank's {s.name} units")
     return ReadPlan(local, remote_tp, tuple(reads))
-
-
-def coarse_pair(local: RankLayout, remote: RankLayout) -> bool:
-    """Whether every page of `remote` can move whole into a page of `local`: equal TP and rank,
-    equal ratio and page bytes, identical components (`slabs`: heads/groups held, offsets,
-    units, hence equal state bytes and conv layout) and the same groups."""
-    return (
-        local.tp_size == remote.tp_size
-        and local.tp_rank == remote.tp_rank
-        and local.ratio == remote.ratio
-        and local.page_bytes == remote.page_bytes
-        and local.num_regions == remote.num_regions
-        and local.group_kinds == remote.group_kinds
-        and local.conv_layout == remote.conv_layout
-        and slabs(local) == slabs(remote)
-    )
 
 
 def _pair_kernels(

@@ -96,9 +96,10 @@ def test_nano_coarse_view_moves_whole_pages_and_no_padding(tp):
     lay = nano(tp, num_pages=3)
     runs = coarse_runs(lay)
     t, page = 6, lay.page_bytes
-    assert len(runs) == 2 * t and coarse_view_size(lay) == 2 * t * 3
+    # 3 pages: one merge level (2 pages; 4 > 3), 3 - 2 + 1 = 2 entries per region
+    assert len(runs) == 3 * t and coarse_view_size(lay) == 2 * t * 3 + t * 2
     for i, base in enumerate(lay.region_bases):
-        attn, state = runs[i], runs[t + i]
+        attn, state, pair = runs[i], runs[t + i], runs[2 * t + i]
         assert (attn.addr, attn.stride, attn.count, attn.length) == (base, page, 3, page)
         assert (state.addr, state.stride, state.count, state.length) == (
             base,
@@ -106,6 +107,7 @@ def test_nano_coarse_view_moves_whole_pages_and_no_padding(tp):
             3,
             lay.state_bytes,
         )
+        assert (pair.addr, pair.stride, pair.count, pair.length) == (base, page, 2, 2 * page)
     # a full attention page is all data (ratio kernel pages of K + V); the state is not
     assert lay.ratio * 2 * lay.kv_half_bytes == page
     assert lay.state_bytes < page
@@ -113,15 +115,18 @@ def test_nano_coarse_view_moves_whole_pages_and_no_padding(tp):
     assert len(descs) == coarse_view_size(lay)
     a5 = lay.region_bases[5]
     assert descs[5 * 3 + 2] == (a5 + 2 * page, page, 0)  # P_5[2]
-    assert descs[-1] == (a5 + 2 * page, lay.state_bytes, 0)  # S_5[2]
+    assert descs[t * 3 + 5 * 3 + 2] == (a5 + 2 * page, lay.state_bytes, 0)  # S_5[2]
+    assert descs[-1] == (a5 + page, 2 * page, 0)  # M^1_5[1]: pages 1 and 2 of region 5
 
 
 def test_coarse_view_of_single_kind_models():
     ssm_only = make_layout(tiny_config(pattern="MM"), 1, 0, num_pages=3)
     assert [r.length for r in coarse_runs(ssm_only)] == [ssm_only.state_bytes] * 2
     attn_only = make_layout(tiny_config(pattern="**"), 1, 0, num_pages=3)
-    assert [r.length for r in coarse_runs(attn_only)] == [attn_only.page_bytes] * 2
-    assert coarse_view_size(ssm_only) == coarse_view_size(attn_only) == 2 * 3
+    page = attn_only.page_bytes
+    assert [r.length for r in coarse_runs(attn_only)] == [page] * 2 + [2 * page] * 2
+    assert coarse_view_size(ssm_only) == 2 * 3  # state pages are never merged
+    assert coarse_view_size(attn_only) == 2 * 3 + 2 * 2
 
 
 # --- plans ---------------------------------------------------------------------------------------
@@ -129,9 +134,10 @@ def test_coarse_view_of_single_kind_models():
 
 def test_nano_tp2_to_tp2_request_of_64_pages():
     # T = 6; groups (M, M, M, M, FA): one attention group of 64 pages, 4 Mamba groups of 1 page
-    #   attention: 1 group x 6 regions x 64 pages = 384 ids (no ratio-261 expansion)
-    #   Mamba:     4 groups x 6 regions x 1 page  = 24 ids
-    #   total 408 per side (the dual view: 12 x 64 x 261 + 4 x 24 x 1 = 200,544)
+    #   attention: 64 pages consecutive on both sides = one piece of 2^6 pages: 1 id per region
+    #              = 6 ids (unmerged: 6 regions x 64 pages = 384)
+    #   Mamba:     4 groups x 6 regions x 1 page = 24 ids
+    #   total 30 per side (unmerged 408; the dual view: 12 x 64 x 261 + 4 x 24 x 1 = 200,544)
     for r in (0, 1):
         local = nano(2, rank=r, num_pages=100)
         remotes = prefill_ranks(nano_config(), 2, num_pages=200)
@@ -142,21 +148,32 @@ def test_nano_tp2_to_tp2_request_of_64_pages():
         local_tables = [[1], [2], [3], [4], list(range(10, 74))]
         remote_tables = [[101], [102], [103], [104], list(range(120, 184))]
         lids, rids = read.descriptor_ids(local_tables, remote_tables)
-        assert len(lids) == len(rids) == 408 == 6 * 64 + 4 * 6 * 1
+        assert len(lids) == len(rids) == 30 == 6 * 1 + 4 * 6 * 1
         assert (lids, rids) == request_ids(read, local_tables, remote_tables)
         assert plan.request_ids(local_tables, remote_tables) == [(lids, rids)]
+        unmerged = coarse_descriptor_ids(local.group_kinds, local_tables, 6, 100)
+        assert len(unmerged) == 408
         # Mamba groups first (plan order): group g, region i -> T*N_log + i*N_log + b
         assert lids[:6] == [600 + i * 100 + 1 for i in range(6)]
         assert rids[:6] == [1200 + i * 200 + 101 for i in range(6)]
-        # then attention: region i, page p -> i*N_log + p
-        assert lids[24:26] == [10, 11] and lids[24 + 64] == 100 + 10
-        assert rids[24:26] == [120, 121] and rids[-1] == 5 * 200 + 183
-        # byte lengths pairwise equal: whole pages for attention, state bytes for Mamba
+        assert lids[:24] == unmerged[:24]
+        # then attention: level 6 (64 pages), region i, first page p. The level sections follow
+        # the T*N_log attention pages and T*N_log state pages; level j has T*(N_log - 2^j + 1)
+        # entries, N_log - 2^j + 1 per region
+        for n_log, p, ids in ((100, 10, lids), (200, 120, rids)):
+            base = 2 * 6 * n_log + sum(6 * (n_log - 2**j + 1) for j in range(1, 6))
+            assert ids[24:] == [base + i * (n_log - 64 + 1) + p for i in range(6)]
+        assert lids[24:] == [3858 + 37 * i + 10 for i in range(6)]  # 1200 + 6*(99+97+93+85+69)
+        assert rids[24:] == [8058 + 137 * i + 120 for i in range(6)]  # 2400 + 6*943
+        # byte lengths pairwise equal: 64 whole pages for attention, state bytes for Mamba
         ld, rd = read.local_descriptors(), read.remote_descriptors()
-        assert len(ld) == 2 * 6 * 100 and len(rd) == 2 * 6 * 200
+        assert len(ld) == 2 * 6 * 100 + 6 * (99 + 97 + 93 + 85 + 69 + 37)
+        assert len(rd) == 2 * 6 * 200 + 6 * (199 + 197 + 193 + 185 + 169 + 137)
         lens = [ld[a][1] for a in lids]
         assert lens == [rd[b][1] for b in rids]
-        assert lens == [NANO_STATE_TP2] * 24 + [NANO_PAGE_TP2] * 384
+        assert lens == [NANO_STATE_TP2] * 24 + [64 * NANO_PAGE_TP2] * 6
+        for i, a in enumerate(lids[24:]):
+            assert ld[a][0] == local.region_bases[i] + 10 * NANO_PAGE_TP2
         # the fine view of the same pair: one id per kernel block and K/V, x/B/C/ssm
         (fine,) = plan_reads(local, remotes, allow_coarse=False).reads
         flids, frids = fine.descriptor_ids(local_tables, remote_tables)
@@ -167,14 +184,16 @@ def test_nano_tp2_to_tp2_request_of_64_pages():
 
 def test_coarse_ids_do_not_depend_on_the_pool_size():
     # 10**10 pages per side: the runs are lazy and the ids only use N_log as an offset
-    local = nano(2, num_pages=10**10)
-    remotes = {0: nano(2, num_pages=3 * 10**10, side=1)}
+    n, n2 = 10**10, 3 * 10**10
+    local = nano(2, num_pages=n)
+    remotes = {0: nano(2, num_pages=n2, side=1)}
     (read,) = plan_reads(local, remotes).reads
     assert read.coarse
     lids, rids = read.descriptor_ids([[7]] * 4 + [[5, 6]], [[8]] * 4 + [[9, 10]])
-    assert len(lids) == len(rids) == 4 * 6 + 6 * 2
-    assert lids[0] == 6 * 10**10 + 7 and lids[-1] == 5 * 10**10 + 6
-    assert rids[0] == 6 * 3 * 10**10 + 8 and rids[-1] == 5 * 3 * 10**10 + 10
+    assert len(lids) == len(rids) == 4 * 6 + 6 * 1  # pages 5, 6 -> 9, 10: one 2-page piece
+    assert lids[0] == 6 * n + 7 and rids[0] == 6 * n2 + 8
+    # level 1 starts after 2*T*N_log entries, N_log - 1 per region: region 5 of page 5 / 9
+    assert lids[-1] == 12 * n + 5 * (n - 1) + 5 and rids[-1] == 12 * n2 + 5 * (n2 - 1) + 9
 
 
 def test_plan_picks_the_coarse_view_only_without_slicing():

@@ -117,11 +117,14 @@ def test_plan_lists_have_matching_shapes():
                 assert lr.length == rr.length > 0
             assert len(read.local_descriptors()) == 2 * 6 * 3 * local.ratio + 4 * 6 * 3
             assert len(read.remote_descriptors()) == 2 * 6 * 5 * read.remote.ratio + 4 * 6 * 5
-    # the coarse view of TP1 -> TP1: T*N_log attention pages + T*N_log state pages per side
+    # the coarse view of TP1 -> TP1: T*N_log attention pages + T*N_log state pages per side,
+    # then per merge level k (2^k <= N_log) T*(N_log - 2^k + 1) attention pieces of 2^k pages:
+    # local N_log = 3 has level 1 (6 x 2), remote N_log = 5 levels 1 and 2 (6 x 4, 6 x 2)
     (read,) = plan_reads(nano(1, num_pages=3), prefill_ranks(nano_config(), 1, num_pages=5)).reads
-    assert read.view == "coarse" and len(read.local_runs) == len(read.remote_runs) == 6 + 6
-    assert len(read.local_descriptors()) == 2 * 6 * 3
-    assert len(read.remote_descriptors()) == 2 * 6 * 5
+    assert read.view == "coarse"
+    assert (len(read.local_runs), len(read.remote_runs)) == (6 + 6 + 6, 6 + 6 + 6 + 6)
+    assert len(read.local_descriptors()) == 2 * 6 * 3 + 6 * 2
+    assert len(read.remote_descriptors()) == 2 * 6 * 5 + 6 * 4 + 6 * 2
 
 
 def test_equal_tp_moves_whole_subdescriptors():
