@@ -5,10 +5,14 @@ it is never handed out and stands for "no page" in block tables (a sliding windo
 
 A page is in use while its ref count is > 0. At ref count 0 it sits in the free queue, which is
 in LRU order: `allocate` takes from the head. A freed page that carries prefix-cache entries
-goes to the tail, so cached content is evicted least-recently-freed first; a freed page without
-entries goes to the head, since nothing is lost by reusing it at once. A cached free page can be
-taken back by `touch` (a prefix hit); handing it out through `allocate` drops its entries (that
-is the eviction). Every operation is O(1) per page.
+goes to the tail, so cached content is evicted least-recently-freed first; freed pages without
+entries go to the head, since nothing is lost by reusing them at once: those of one `free` call
+as one block in ascending id order, so a run of consecutive pages comes back as the same
+ascending run (whatever order it was freed in: the cache managers free a table last page
+first), which keeps a request's pages consecutive for whole-run transfers (`disagg`). A cached
+free page can be taken back by `touch` (a prefix hit); handing it out through `allocate` drops
+its entries (that is the eviction). Every operation is O(1) per page, but for sorting the
+uncached pages of one `free` call.
 """
 
 from __future__ import annotations
@@ -88,18 +92,26 @@ class BlockPool:
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference from each page (the null page is skipped); a page reaching 0 goes
-        back to the free queue: to the tail when cached, else to the head."""
-        for page in pages:
-            if page == NULL_PAGE:
-                continue
-            ref = self._ref[page]
-            if ref <= 0:
-                raise ValueError(f"page {page} freed more often than it was taken")
-            self._ref[page] = ref - 1
-            if ref == 1:
-                self._free[page] = None
-                if page not in self._keys_of:
-                    self._free.move_to_end(page, last=False)
+        back to the free queue: to the tail when cached (in the order given), else to the head,
+        the uncached pages of this call in ascending id order (freeing [7, 6, 5] or [5, 6, 7]:
+        the next `allocate(3)` returns [5, 6, 7])."""
+        head: list[int] = []
+        try:
+            for page in pages:
+                if page == NULL_PAGE:
+                    continue
+                ref = self._ref[page]
+                if ref <= 0:
+                    raise ValueError(f"page {page} freed more often than it was taken")
+                self._ref[page] = ref - 1
+                if ref == 1:
+                    self._free[page] = None
+                    if page not in self._keys_of:
+                        head.append(page)
+        finally:  # also when a page is refused: those already freed are at the head
+            head.sort(reverse=True)  # the last one moved to the head ends up first
+            for page in head:
+                self._free.move_to_end(page, last=False)
 
     def touch(self, pages: Iterable[int]) -> None:
         """Take one more reference on each page (the null page is skipped); a free page leaves

@@ -38,13 +38,41 @@ def test_uncached_pages_return_to_the_head_cached_ones_to_the_tail():
     pool.register("b", 2)
     pool.register("d", 4, slot=3)
     pool.free(pages)
-    # 1, 3, 5 pushed to the head one after another; 2 and 4 appended to the tail
-    assert pool.free_queue() == [5, 3, 1, 2, 4]
-    assert pool.allocate(3) == [5, 3, 1]
+    # 1, 3, 5 go to the head (ascending); 2 and 4 are appended to the tail
+    assert pool.free_queue() == [1, 3, 5, 2, 4]
+    assert pool.allocate(3) == [1, 3, 5]
     assert pool.lookup("b") == (2, 0) and pool.lookup("d") == (4, 3)
     assert pool.allocate(1) == [2]  # evicts page 2's entry, not page 4's
     assert pool.lookup("b") is None and pool.lookup("d") == (4, 3)
     assert pool.num_evicted_pages == 1 and not pool.is_cached(2) and pool.is_cached(4)
+
+
+def test_freed_runs_come_back_ascending():
+    pool = BlockPool(12)
+    assert pool.allocate(8) == [1, 2, 3, 4, 5, 6, 7, 8]
+    pool.free([5, 6, 7])
+    assert pool.free_queue()[:4] == [5, 6, 7, 9]
+    assert pool.allocate(3) == [5, 6, 7]
+    # last page first, as the cache managers free a table: the same ascending run
+    pool.free(reversed([5, 6, 7]))
+    assert pool.allocate(3) == [5, 6, 7]
+    # one call's pages form one ascending block ahead of the pages freed before
+    pool.free([8, 2])
+    pool.free([7, 3, 6])
+    assert pool.free_queue() == [3, 6, 7, 2, 8, 9, 10, 11]
+    # a cached page in the middle goes to the tail; the others still come back in order
+    pool.register("k", 5)
+    pool.free([4, 5, 1])
+    assert pool.free_queue() == [1, 4, 3, 6, 7, 2, 8, 9, 10, 11, 5]
+    assert pool.allocate(4) == [1, 4, 3, 6]
+
+
+def test_a_refused_free_keeps_the_pages_freed_before_it():
+    pool = BlockPool(6)
+    pool.allocate(3)
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free([3, 2, 4])  # page 4 was never taken
+    assert pool.free_queue() == [2, 3, 4, 5] and pool.ref_count(1) == 1
 
 
 def test_cached_pages_evict_least_recently_freed_first():
