@@ -310,6 +310,8 @@ class KVTransferConfig:
     its NIXL metadata and layout on a TCP side channel at host:port (port 0: any free port) and
     holds a request's pages for at most `lease_s` seconds after prefill. `failure_policy` says
     what a decode request does when its transfer fails: "recompute" locally or "fail".
+    `transfer_mode` (decode side): "pull" (the decode engine READs) or "push" (it asks the
+    prefill engine to WRITE). `nixl_threads`: worker threads of NIXL's UCX backend (0: none).
     """
 
     kv_role: str = "kv_both"
@@ -321,6 +323,8 @@ class KVTransferConfig:
     transfer_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
     failure_policy: str = "recompute"
+    transfer_mode: str = "pull"
+    nixl_threads: int = 0
 
     def __post_init__(self) -> None:
         _require(self.kv_role in KV_ROLES, f"kv_role must be one of {KV_ROLES}: {self.kv_role!r}")
@@ -332,6 +336,11 @@ class KVTransferConfig:
             self.failure_policy in ("recompute", "fail"),
             f"failure_policy must be 'recompute' or 'fail': {self.failure_policy!r}",
         )
+        _require(
+            self.transfer_mode in ("pull", "push"),
+            f"transfer_mode must be 'pull' or 'push': {self.transfer_mode!r}",
+        )
+        _require(self.nixl_threads >= 0, f"nixl_threads must be >= 0: {self.nixl_threads}")
         _require(self.lease_s > 0 and self.transfer_timeout_s > 0, "timeouts must be > 0")
 
     @property

@@ -84,6 +84,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             progress=progress,
+            shareable_regions=config.kv_transfer is not None,  # GPU: UCX cuda_ipc needs it
         )
         self.model_config = self.runner.cfg
         self.max_model_len = self.runner.max_model_len
@@ -198,7 +199,7 @@ class LLMEngine:
         self._tracked[req_id].remote_prefill = producer
         if remote.get("num_tokens", 0) > 0:
             self._deferred.append((req_id, remote))
-            self._start_pulls()
+            self._start_transfers()
         else:
             self.scheduler.add_request(request)
         return req_id
@@ -213,8 +214,8 @@ class LLMEngine:
         else:
             self.scheduler.abort_request(req_id)
 
-    def _start_pulls(self) -> None:
-        """Give deferred remote requests pages and post their reads, while pages last."""
+    def _start_transfers(self) -> None:
+        """Give deferred remote requests pages and start their transfers, while pages last."""
         still = []
         for req_id, remote in self._deferred:
             request = self._tracked[req_id].request
@@ -223,7 +224,7 @@ class LLMEngine:
                 still.append((req_id, remote))
                 continue
             try:
-                self.connector.start_pull(req_id, remote, tables)
+                self.connector.start_transfer(req_id, remote, tables)
             except Exception as err:  # handshake or NIXL failure: decided by the policy
                 self._transfer_failed(req_id, f"cannot start the transfer: {err}")
         self._deferred = still
@@ -253,7 +254,9 @@ class LLMEngine:
             else:
                 self._transfer_failed(req_id, reason or "transfer failed")
         if self._deferred:
-            self._start_pulls()
+            self._start_transfers()
+        if self._deferred or self.connector.pulls:
+            self.connector.keep_alive([remote for _, remote in self._deferred])
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.has_unfinished() or self._deferred or self._ready)
@@ -379,4 +382,10 @@ class LLMEngine:
             prefix_cache_hit_rate=prefix.hit_rate,
             num_preemptions=s.num_preemptions,
         )
+        if self.connector is not None:
+            stats.update(
+                transfer_failures=self.connector.failures,
+                transfer_bytes=self.connector.bytes_moved,
+                held_requests=len(s.held),
+            )
         return stats

@@ -31,8 +31,10 @@ class DisaggregatedLLM:
     """`LLM` with prefill and decode on separate worker processes (see the module docstring).
 
     Args: as `LLM`, plus `prefill_tp` / `decode_tp` (tensor parallel sizes of the two workers),
-    `lease_s` (how long the prefill worker holds pages for the decode worker) and
-    `failure_policy` ("recompute" locally or "fail" when a transfer fails).
+    `lease_s` (how long the prefill worker holds pages for the decode worker, renewed by the
+    decode worker's heartbeats), `failure_policy` ("recompute" locally or "fail" when a
+    transfer fails) and `transfer_mode` ("pull": the decode worker READs; "push": the prefill
+    worker WRITEs).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class DisaggregatedLLM:
         enable_prefix_caching: bool = True,
         lease_s: float = 30.0,
         failure_policy: str = "recompute",
+        transfer_mode: str = "pull",
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
@@ -67,7 +70,11 @@ class DisaggregatedLLM:
         try:
             self.decode = spawn_worker(
                 {**common, "tensor_parallel_size": decode_tp},
-                {"kv_role": "kv_consumer", "failure_policy": failure_policy},
+                {
+                    "kv_role": "kv_consumer",
+                    "failure_policy": failure_policy,
+                    "transfer_mode": transfer_mode,
+                },
                 decode_tp,
             )
         except Exception:

@@ -53,15 +53,22 @@ class NixlTransport:
       name: the agent name (unique per worker rank).
       buffers: (address, length, device id) of every region buffer.
       mem_type: "DRAM" for host memory, "VRAM" for GPU memory.
+      num_threads: worker threads of the UCX backend that share a transfer's descriptors
+        (0: the calling thread posts them all).
     """
 
     def __init__(
-        self, name: str, buffers: list[tuple[int, int, int]], mem_type: str = "DRAM"
+        self,
+        name: str,
+        buffers: list[tuple[int, int, int]],
+        mem_type: str = "DRAM",
+        num_threads: int = 0,
     ) -> None:
         api = import_nixl()
         self.name, self.mem_type = name, mem_type
         try:
-            self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            config = api.nixl_agent_config(backends=["UCX"], num_threads=num_threads)
+            self.agent = api.nixl_agent(name, config)
         except Exception as err:  # the bindings raise plain Exceptions
             raise TransferError(
                 f"cannot start a NIXL agent with UCX: {err} (UCX needs `tcp` "

@@ -28,8 +28,10 @@ def _colocated(directory, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_processes_with_heterogeneous_tp_match_colocated(hf_checkpoint, prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp,decode_tp,mode", [(2, 1, "pull"), (1, 2, "push")])
+def test_processes_with_heterogeneous_tp_match_colocated(
+    hf_checkpoint, prefill_tp, decode_tp, mode
+):
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(32, seed=4)
     want = _colocated(directory, prompts)
@@ -41,11 +43,13 @@ def test_processes_with_heterogeneous_tp_match_colocated(hf_checkpoint, prefill_
         max_model_len=128,
         max_num_seqs=32,
         max_num_batched_tokens=2048,
+        transfer_mode=mode,
     ) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == want
         stats = llm.stats()
         assert stats["decode"]["pages_used"] == 0 and stats["prefill"]["held"] == 0
+        assert stats["decode"]["transfer_failures"] == 0
 
 
 def test_decode_process_killed_mid_transfer_frees_prefill_pages(hf_checkpoint):

@@ -6,6 +6,7 @@ a real NIXL READ from the prefill engine's region buffers into the decode engine
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from hybridserve.config import KVTransferConfig
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _llm(directory, tp=1, role=None, **kw):
+def _llm(directory, tp=1, role=None, mode="pull", kv=None, **kw):
     return LLM(
         directory,
         dtype="float32",
@@ -26,7 +27,9 @@ def _llm(directory, tp=1, role=None, **kw):
         max_num_batched_tokens=2048,
         tensor_parallel_size=tp,
         progress=False,
-        kv_transfer_config=KVTransferConfig(kv_role=role) if role else None,
+        kv_transfer_config=(
+            KVTransferConfig(kv_role=role, transfer_mode=mode, **(kv or {})) if role else None
+        ),
         **kw,
     )
 
@@ -49,16 +52,31 @@ def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
         {"prompt_token_ids": p, "kv_transfer_params": o.kv_transfer_params}
         for p, o in zip(prompts, outs, strict=True)
     ]
-    result = decode.generate(handed, params, use_tqdm=False)
-    deadline = time.monotonic() + 10  # the prefill side frees on the decode side's notification
-    while prefill.engine.scheduler.held and time.monotonic() < deadline:
-        prefill.engine.poll_transfers()
-        time.sleep(0.001)
+    # The prefill engine keeps polling meanwhile (as its serving loop would): it writes the
+    # pages of push requests and frees pages on the decode side's notifications.
+    stop = threading.Event()
+
+    def serve_prefill() -> None:
+        while not stop.is_set():
+            prefill.engine.poll_transfers()
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=serve_prefill, daemon=True)
+    thread.start()
+    try:
+        result = decode.generate(handed, params, use_tqdm=False)
+        deadline = time.monotonic() + 10
+        while prefill.engine.scheduler.held and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        thread.join()
     return [o.outputs[0].token_ids for o in result]
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 1), (1, 2)])
-def test_pd_matches_colocated_for_32_requests(hf_checkpoint, prefill_tp, decode_tp):
+def test_pd_matches_colocated_for_32_requests(hf_checkpoint, prefill_tp, decode_tp, mode):
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(32)
     colocated = [
@@ -68,9 +86,85 @@ def test_pd_matches_colocated_for_32_requests(hf_checkpoint, prefill_tp, decode_
         )
     ]
     prefill = _llm(directory, prefill_tp, "kv_producer")
-    decode = _llm(directory, decode_tp, "kv_consumer")
+    decode = _llm(directory, decode_tp, "kv_consumer", mode)
     assert _pd_generate(prefill, decode, prompts, GREEDY) == colocated
     for engine in (prefill.engine, decode.engine):
         assert engine.scheduler.coordinator.pool.num_used == 0
         assert not engine.scheduler.held
     assert decode.engine.connector.failures == 0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_transfer_after_the_lease_ended_is_refused(hf_checkpoint, mode):
+    """Pages released by an expired lease may be reused: the decode side must not trust them
+    (pull: the producer's read_ack says no; push: the producer refuses to write)."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    prompts = _prompts(4, seed=2)
+    prefill = _llm(directory, 1, "kv_producer", kv={"lease_s": 0.05})
+    decode = _llm(directory, 1, "kv_consumer", mode, kv={"failure_policy": "fail"})
+    outs = prefill.generate(
+        [
+            {"prompt_token_ids": p, "kv_transfer_params": {"do_remote_decode": True}}
+            for p in prompts
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
+    time.sleep(0.2)
+    prefill.engine.poll_transfers()
+    assert not prefill.engine.scheduler.held
+    assert prefill.engine.scheduler.coordinator.pool.num_used == 0
+    handed = [
+        {"prompt_token_ids": p, "kv_transfer_params": o.kv_transfer_params}
+        for p, o in zip(prompts, outs, strict=True)
+    ]
+    stop = threading.Event()
+
+    def serve_prefill() -> None:
+        while not stop.is_set():
+            prefill.engine.poll_transfers()
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=serve_prefill, daemon=True)
+    thread.start()
+    try:
+        result = decode.generate(handed, GREEDY, use_tqdm=False)
+    finally:
+        stop.set()
+        thread.join()
+    assert decode.engine.connector.failures == len(prompts)
+    why = "no longer held the pages" if mode == "pull" else "no held pages"
+    for o in result:
+        assert o.outputs[0].finish_reason == "abort"
+        assert why in o.outputs[0].stop_reason
+    assert decode.engine.scheduler.coordinator.pool.num_used == 0
+
+
+def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
+    directory = hf_checkpoint("nemotron_h")[0]
+    prefill = _llm(directory, 1, "kv_producer", kv={"lease_s": 2.0})
+    decode = _llm(directory, 1, "kv_consumer")
+    (out,) = prefill.generate(
+        [
+            {
+                "prompt_token_ids": list(range(3, 30)),
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
+    params = out.kv_transfer_params
+    assert params["lease_s"] == 2.0
+    leases = prefill.engine.connector.leases
+    first = leases[params["req_id"]]
+    time.sleep(1.0)
+    decode.engine.connector.keep_alive([params])  # a request still waiting for decode pages
+    deadline = time.monotonic() + 5
+    while leases[params["req_id"]] == first and time.monotonic() < deadline:
+        prefill.engine.poll_transfers()
+        time.sleep(0.01)
+    assert leases[params["req_id"]] >= first + 0.9
+    time.sleep(1.5)  # past the first deadline: still held thanks to the heartbeat
+    prefill.engine.poll_transfers()
+    assert params["req_id"] in prefill.engine.scheduler.held
