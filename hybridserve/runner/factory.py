@@ -46,8 +46,9 @@ def make_runner(
     max_model_len: int = 2048,
     max_num_seqs: int = 8,
     progress: bool = False,
+    shareable_regions: bool = False,
 ) -> ModelRunner:
-    """Load the model and allocate its cache."""
+    """Load the model and allocate its cache (`shareable_regions`: see `runner.regions`)."""
     cache = cache or CacheConfig()
     mesh = make_mesh(tp)
     model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress=progress)
@@ -55,4 +56,4 @@ def make_runner(
     plan = make_plan(cfg, cache, tp, dtype_name)
     max_len = min(max_model_len, cfg.max_position_embeddings)
     pages = num_pages_for(plan, cache, max_num_seqs, max_len)
-    return ModelRunner(model, cfg, plan, mesh, pages, max_len)
+    return ModelRunner(model, cfg, plan, mesh, pages, max_len, shareable_regions=shareable_regions)

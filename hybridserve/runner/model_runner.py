@@ -39,6 +39,7 @@ from hybridserve.runner.input_batch import (
     table_width,
     token_buckets,
 )
+from hybridserve.runner.regions import allocate_regions
 
 
 def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
@@ -108,6 +109,7 @@ class ModelRunner:
         num_pages: int,
         max_model_len: int,
         max_prefill_tokens: int = 256,
+        shareable_regions: bool = False,
     ) -> None:
         if plan.tensor_parallel_size != mesh.shape["tp"]:
             raise ValueError("the cache plan and the mesh disagree on the TP size")
@@ -119,9 +121,10 @@ class ModelRunner:
         tp = plan.tensor_parallel_size
         sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
         shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes)
-        self.regions = [
-            jnp.zeros(shape, jnp.uint8, device=sharding) for _ in range(plan.num_regions)
-        ]
+        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (regions.py)
+        self.regions, self._region_owners = allocate_regions(
+            shape, plan.num_regions, sharding, shareable_regions
+        )
         # Fixed output shardings: the regions come back exactly as they went in, so a copy
         # followed by a step (or the reverse) never looks like a new input to either program.
         regions_out = [sharding] * plan.num_regions
