@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def _device(index: int | None):
     return jax.devices("gpu")[index] if index is not None else jax.devices("cpu")[0]
 
 
-def _side(name: str, gpu: int | None, num_pages: int, fill: int):
+def _side(name: str, gpu: int | None, num_pages: int, fill: int, threads: int = 0):
     """One side's regions (allocated on its device), its NIXL agent over them and its layout."""
     from hybridserve.disagg.descriptors import RankLayout
     from hybridserve.disagg.transport import NixlTransport
@@ -87,7 +88,7 @@ def _side(name: str, gpu: int | None, num_pages: int, fill: int):
     regions, keep = _regions(num_pages, plan.page_size_bytes, plan.num_regions, _device(gpu), fill)
     dev = gpu or 0
     mem = "VRAM" if gpu is not None else "DRAM"
-    transport = NixlTransport(name, [(_addr(r), r.size, dev) for r in regions], mem)
+    transport = NixlTransport(name, [(_addr(r), r.size, dev) for r in regions], mem, threads)
     layout = RankLayout.from_plan(
         plan,
         cfg,
@@ -99,10 +100,10 @@ def _side(name: str, gpu: int | None, num_pages: int, fill: int):
     return regions, keep, transport, layout, plan
 
 
-def _prefill(conn, gpu: int | None, num_pages: int) -> None:
+def _prefill(conn, gpu: int | None, num_pages: int, threads: int) -> None:
     from hybridserve.disagg.handshake import HandshakeServer
 
-    _regions_, _keep, transport, layout, _plan = _side("bench-prefill", gpu, num_pages, 1)
+    _regions_, _keep, transport, layout, _plan = _side("bench-prefill", gpu, num_pages, 1, threads)
     server = HandshakeServer(
         {"agent_metadata": transport.metadata(), "layouts": [layout.to_dict()]},
         lambda request: None,
@@ -119,15 +120,16 @@ def _wait(transport, xfer) -> None:
 
 
 def _timed(transport, op, local, lids, remote, rids, repeats: int) -> float:
-    xfer = transport.start(op, local, lids, remote, rids)  # warm the path once
-    _wait(transport, xfer)
-    transport.release(xfer)
-    start = time.perf_counter()
-    for _ in range(repeats):
+    """Median seconds of one transfer (post to DONE), each timed alone, after 2 warm-ups."""
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
         xfer = transport.start(op, local, lids, remote, rids)
         _wait(transport, xfer)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
         transport.release(xfer)
-    return (time.perf_counter() - start) / repeats
+    return statistics.median(times)
 
 
 def _decode(args, host: str, port: int) -> dict:
@@ -139,7 +141,9 @@ def _decode(args, host: str, port: int) -> dict:
     from hybridserve.disagg.tp_mapping import plan_reads
 
     gpu = args.gpu[1] if args.gpu else None
-    regions, _keep, transport, local, plan = _side("bench-decode", gpu, args.num_pages, 100)
+    regions, _keep, transport, local, plan = _side(
+        "bench-decode", gpu, args.num_pages, 100, args.threads
+    )
     dev = gpu or 0
     info = fetch_peer(host, port, {})
     remote = RankLayout.from_dict(info["layouts"][0])
@@ -149,10 +153,12 @@ def _decode(args, host: str, port: int) -> dict:
     local_h = transport.prepare(read.local_descriptors())
     remote_h = transport.prepare(read.remote_descriptors(), peer=agent)
     prep_s = time.perf_counter() - t0
-    # One request: `pages` attention pages and one state page per Mamba group, scattered.
+    # One request: `pages` attention pages and one state page per Mamba group, scattered
+    # (every other page) or, with --contiguous, consecutive (as a fresh pool hands them out).
     kinds = [g.kind for g in plan.groups]
-    pages = list(range(2, 2 + 2 * args.request_pages, 2))
-    state = [1 + 2 * args.request_pages + 2 * g for g in range(kinds.count("mamba"))]
+    step = 1 if args.contiguous else 2
+    pages = list(range(2, 2 + step * args.request_pages, step))
+    state = [pages[-1] + step * (1 + g) for g in range(kinds.count("mamba"))]
     tables, m = [], 0
     for kind in kinds:
         if kind == "mamba":
@@ -161,7 +167,8 @@ def _decode(args, host: str, port: int) -> dict:
         else:
             tables.append(pages)
     lids, rids = read.descriptor_ids(tables, tables)
-    nbytes = sum(d[1] for d in (read.local_descriptors()[i] for i in lids))
+    local_list = read.local_descriptors()
+    nbytes = sum(local_list[i][1] for i in lids)
     rows = {}
     for op in ("READ", "WRITE"):
         sec = _timed(transport, op, local_h, lids, remote_h, rids, args.repeats)
@@ -177,6 +184,20 @@ def _decode(args, host: str, port: int) -> dict:
     rows["raw NIXL READ"] = (
         nbytes,
         _timed(transport, "READ", raw_l, [0], raw_r, [0], args.repeats),
+    )
+    # Raw NIXL again, the same range cut into as many equal pieces as the connector's ids: what
+    # the descriptor count alone costs.
+    pieces = len(lids)
+    cut = nbytes // pieces
+    raw_ln = transport.prepare([(_addr(regions[0]) + i * cut, cut, dev) for i in range(pieces)])
+    raw_rn = transport.prepare(
+        [(remote.region_bases[0] + i * cut, cut, remote.device_id) for i in range(pieces)],
+        peer=agent,
+    )
+    ids = list(range(pieces))
+    rows[f"raw NIXL, {pieces} pieces"] = (
+        cut * pieces,
+        _timed(transport, "READ", raw_ln, ids, raw_rn, ids, args.repeats),
     )
     # Plain device copy of the same bytes (to a second buffer on this device).
     src = regions[0][:nbytes]
@@ -230,20 +251,34 @@ def main() -> None:
         metavar=("PREFILL", "DECODE"),
         help="GPU indices of the two sides (default: CPU memory)",
     )
-    parser.add_argument("--num-pages", type=int, default=80, help="pages per region and side")
+    parser.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="pages per region and side (default: enough for the request to fit in one region)",
+    )
     parser.add_argument(
         "--request-pages",
         type=int,
         default=8,
         help="attention pages of the request (plus one state page per group)",
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="the request's pages are consecutive (merged into fewer descriptors)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="UCX backend threads (NIXL)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed transfers (median)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.num_pages is None:  # the raw range (the request's bytes) lies in region 0
+        args.num_pages = max(80, 6 * (args.request_pages + 4) + 8)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     side = ctx.Process(
-        target=_prefill, args=(child, args.gpu[0] if args.gpu else None, args.num_pages)
+        target=_prefill,
+        args=(child, args.gpu[0] if args.gpu else None, args.num_pages, args.threads),
     )
     side.start()
     host, port = parent.recv()
@@ -256,9 +291,10 @@ def main() -> None:
     raw_rate = raw[0] / raw[1]
     where = f"GPU {args.gpu[0]} -> GPU {args.gpu[1]}" if args.gpu else "CPU memory"
     alloc = os.environ.get("BENCH_ALLOC", "jax")
+    layout = "contiguous" if args.contiguous else "scattered"
     print(
-        f"one request of the Nano-30B shape, {where} ({alloc} allocation); NIXL backend "
-        f"{result['backend']}"
+        f"one request of the Nano-30B shape ({layout} pages, {args.threads} UCX threads), "
+        f"{where} ({alloc} allocation); NIXL backend {result['backend']}"
     )
     print(f"{'path':<22} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'vs raw':>7}")
     for name, (nbytes, sec) in result["rows"].items():
