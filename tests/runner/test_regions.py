@@ -1,27 +1,87 @@
-"""Region allocation on CPU (XLA) and the per-rank buffer list NIXL registers."""
+"""The cache regions: one page read through the Mamba view and the attention view is the same
+bytes; region buffers keep their addresses across jitted steps."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import pytest
 
-from hybridserve.runner.regions import allocate_regions, shard_buffers
+from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
+from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.kv_spec import layer_specs, plan_cache
+from hybridserve.layers.cache_view import from_raw, read_kv, read_mamba, write_mamba
+from hybridserve.runner.model_runner import build_layout
+
+CFG = ModelConfig(
+    architecture="nemotron_h", vocab_size=64, hidden_size=32,
+    layer_types=("mamba", "attention", "mamba", "attention"), norm_eps=1e-5,
+    attention=AttentionConfig(4, 2, 8), mamba=MambaConfig(4, 8, 8, 2, 4, 8),
+)  # fmt: skip
 
 
-def test_cpu_regions_are_xla_zeros_even_when_shareable_is_asked():
-    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-    sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
-    regions, owners = allocate_regions((2, 8, 16), 3, sharding, shareable=True)
-    assert owners == []  # CPU memory from XLA is what UCX wants there
-    assert len(regions) == 3
-    for region in regions:
-        assert region.shape == (2, 8, 16) and region.dtype == np.uint8
-        assert not np.asarray(region).any()
-    buffers = shard_buffers(regions)
-    assert len(buffers) == 2 and all(len(rank) == 3 for rank in buffers)
-    for rank, per_rank in enumerate(buffers):
-        for region, (addr, nbytes, device) in zip(regions, per_rank, strict=True):
-            (shard,) = [s for s in region.addressable_shards if (s.index[0].start or 0) == rank]
-            assert addr == shard.data.unsafe_buffer_pointer()
-            assert nbytes == 8 * 16 and device == 0
+@pytest.mark.parametrize("tp,layout", [(1, "DS"), (1, "SD"), (2, "DS")])
+def test_mamba_view_and_attention_view_share_bytes(tp, layout):
+    plan = plan_cache(layer_specs(CFG, tp, "bfloat16", "bfloat16", layout=layout), tp)
+    cache_layout = build_layout(CFG, plan)
+    mamba, attn = cache_layout.layers[0], cache_layout.layers[1]
+    assert mamba.region == attn.region == 0  # both live in region 0
+    num_pages, rows, width = 4, cache_layout.page_rows, cache_layout.row_bytes
+    assert rows * width == plan.page_size_bytes
+    rng = np.random.default_rng(0)
+    region = jnp.asarray(rng.integers(0, 256, (tp, num_pages * rows, width), dtype=np.uint8))
+    m = CFG.mamba
+    x = jnp.asarray(rng.standard_normal((1, m.intermediate_size, 3)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
+    ssm = jnp.asarray(rng.standard_normal((1, 4, 8, 8)), jnp.float32)
+    pages = jnp.array([2])
+    region = write_mamba(region, mamba, tp, pages, rows, x, b, c, ssm)
+    *got, region = read_mamba(region, mamba, tp, pages, rows)
+    for want, have in zip((x, b, c, ssm), got, strict=True):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+    # The same page through the attention view: K and V of its kernel blocks, per rank.
+    spec = [g.spec for g in plan.groups if g.kind == "mamba"][0]
+    kernel_ids = jnp.arange(plan.ratio)[None] + 2 * plan.ratio
+    k, v, _ = read_kv(region, attn, tp, kernel_ids)  # [1, ratio*kb, K, H]
+    kb, heads = plan.kernel_block_size, attn.kv_heads_local
+    per_rank = []
+    for r in range(tp):
+        # HND within each half: [heads, kb tokens, head_dim]
+        kr = np.asarray(k)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r].transpose(0, 2, 1, 3)
+        vr = np.asarray(v)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r].transpose(0, 2, 1, 3)
+        page_bytes = np.concatenate([kr, vr], axis=1).view(np.uint8).reshape(-1)
+        per_rank.append(page_bytes)
+    state = np.asarray(region)[:, 2 * rows : 3 * rows].reshape(tp, -1)[:, : spec.state_bytes]
+    for r in range(tp):
+        np.testing.assert_array_equal(per_rank[r][: spec.state_bytes], state[r])
+        # and the ssm bytes of rank r are the ssm values of its heads
+        ssm_r = from_raw(
+            jnp.asarray(state[r : r + 1, None, spec.conv_bytes :]), "float32", spec.ssm_shape
+        )
+        np.testing.assert_array_equal(
+            np.asarray(ssm_r)[0, 0], np.asarray(ssm)[0, r * 4 // tp : (r + 1) * 4 // tp]
+        )
+
+
+def test_region_addresses_fixed_across_steps(hf_checkpoint):
+    from hybridserve.config import CacheConfig
+    from hybridserve.runner.factory import make_runner
+
+    runner = make_runner(
+        str(hf_checkpoint("nemotron_h")[0]),
+        dtype="float32",
+        cache=CacheConfig(num_pages=32),
+        max_model_len=64,
+    )
+    before = runner.region_addresses()
+    tables = runner.scratch_tables(40)
+    ids = list(range(3, 23))
+    runner.execute(
+        SchedulerOutput((ScheduledChunk("a", tuple(ids), 0, tables, True),), page_copies=((5, 9),))
+    )
+    for step in range(10):
+        runner.execute(SchedulerOutput((ScheduledChunk("a", (7,), 20 + step, tables, True),)))
+    jax.block_until_ready(runner.regions)
+    assert runner.region_addresses() == before
