@@ -1,0 +1,309 @@
+"""The OpenAI-compatible request and response bodies (pydantic).
+
+Requests are strict (`"1"` is not an int, `1.0` is not an int) and reject unknown fields, so a
+typo is a 400 instead of a silently ignored setting. Fields of the OpenAI API that this server
+cannot honour (`echo`, `best_of > 1`, penalties, `logit_bias`, `suffix`) are accepted only at
+their neutral values. Limits that depend on the model (prompt length, vocabulary, `max_tokens`
+against `max_model_len`) are checked by `serving.py`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...], name: str) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{name} is not supported (only {neutral[0]!r})")
+    return value
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class KVTransferParams(BaseModel):
+    """`kv_transfer_params` (disaggregated prefill/decode): `{"do_remote_decode": true}` for a
+    prefill instance, or a prefill response's parameters for a decode instance. Known keys are
+    type-checked; others pass through to the engine's connector."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    do_remote_decode: bool | None = None
+    do_remote_prefill: bool | None = None
+    req_id: str | None = None
+    engine_id: str | None = None
+    host: str | None = None
+    port: int | None = Field(None, ge=0, le=65535)
+    block_tables: list[list[int]] | None = None
+    num_tokens: int | None = Field(None, ge=0)
+    lease_s: float | None = Field(None, gt=0)
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = Field(None, max_length=16)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # extension: choices[].token_ids and prompt_token_ids
+    kv_transfer_params: KVTransferParams | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        return _neutral(value, (0.0,), "a non-zero penalty")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict | None) -> dict | None:
+        return _neutral(value or None, (None,), "logit_bias")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_SamplingRequest):
+    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a list holding
+    exactly one of those (batches of several prompts are refused)."""
+
+    prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            raise ValueError(
+                f"a batch of {len(prompt)} prompts is not supported: send one prompt per request"
+            )
+        raise ValueError("prompt must be a string or a list of token ids (integers)")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        return _neutral(value, (False,), "echo")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        return _neutral(value, (None, 1), "best_of > 1")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        return _neutral(value, (None,), "suffix")
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """`POST /v1/chat/completions`. `max_tokens` (or `max_completion_tokens`) defaults to what
+    is left of `max_model_len` after the prompt."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: per token its text, logprob and the top alternatives."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "hybridserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
