@@ -1,4 +1,4 @@
-"""`hybridserve generate | convert`: the command line.
+"""`hybridserve generate | serve | convert`: the command line.
 
 The CLI is the composition root: it may dispatch to the `checkpoints` tooling package, which
 nothing else in the engine imports.
@@ -106,6 +106,140 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hybridserve.server.launch import parse_kv_transfer_config, serve
+
+    kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # before any heavy import
+    model = args.model
+    if args.model_arg is not None:
+        if model != str(DEFAULT_MODEL) and model != args.model_arg:
+            raise ValueError(f"two models given: {args.model_arg} and --model {model}")
+        model = args.model_arg
+    if not Path(model).is_dir():
+        raise FileNotFoundError(
+            f"model directory {model} does not exist (no model hub downloads: pass a local "
+            "directory)"
+        )
+    for flag, value, least in (
+        ("--max-queue", args.max_queue, 1),
+        ("--max-body-bytes", args.max_body_bytes, 1024),
+        ("--port", args.port, 0),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    from hybridserve.config import CacheConfig
+    from hybridserve.engine import EngineConfig
+    from hybridserve.server.app import ServerSettings
+
+    names = args.served_model_name or [args.model_arg or "default"]
+    engine_config = EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        cache=CacheConfig(block_size=args.block_size),
+        seed=args.seed,
+        kv_transfer=kv_transfer,
+    )
+    settings = ServerSettings(
+        model_names=tuple(names),
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
+        drain_timeout_s=args.drain_timeout,
+    )
+    return serve(engine_config, settings, args.host, args.port, args.max_queue, args.log_level)
+
+
+_SERVE_EPILOG = """\
+endpoints: POST /v1/completions, POST /v1/chat/completions (streaming by server-sent events
+or not), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /v1/stats (engine
+statistics as JSON).
+
+environment:
+  HYBRIDSERVE_SSM_CONV_LAYOUT=DS|SD  layout of the Mamba conv state in the cache (default DS:
+                                     x, B and C each contiguous, what P/D transfers expect)
+
+examples:
+  hybridserve serve --port 8000
+  hybridserve serve /models/nemotron-h --dtype bfloat16 -tp 2 --max-model-len 8192
+  hybridserve serve --port 8100 --kv-transfer-config '{"kv_role":"kv_producer"}'   # prefill
+  hybridserve serve --port 8200 --kv-transfer-config '{"kv_role":"kv_consumer"}'   # decode
+"""
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="model directory, as --model (default: the shipped toy model)",
+    )
+    _add_engine_args(p)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="least tokens per cache page (raised to fit a Mamba state; default: just that)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model' (default: MODEL as given, or 'default')",
+    )
+    p.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help="make this a P/D instance, e.g. "
+        '\'{"kv_connector":"NixlConnector","kv_role":"kv_producer"}\' (kv_producer: prefill, '
+        "kv_consumer: decode, kv_both); other keys: engine_id, host, port, lease_s, "
+        "transfer_timeout_s, handshake_timeout_s, failure_policy, transfer_mode, "
+        "nixl_threads; unknown keys are an error",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="most requests waiting or running; more get HTTP 429 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a request is aborted (JSON: 504; stream: finish_reason "
+        "'abort'); 0: none (default: 600)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body; larger ones get HTTP 413 (default: 1 MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds to let requests in flight finish (default: 30)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level (info: one line per request)",
+    )
+
+
 def _convert(args: argparse.Namespace) -> int:
     from checkpoints.convert import main
 
@@ -137,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the compile warmup (timings then include compilation)",
     )
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser(
+        "serve",
+        help="run an OpenAI-compatible HTTP server",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (completions and chat "
+        "completions), with Prometheus metrics, a bounded queue and request limits.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_serve_args(srv)
+    srv.set_defaults(func=_serve)
     conv = sub.add_parser(
         "convert",
         help="convert an HF checkpoint to our orbax layout",

@@ -1,0 +1,214 @@
+"""The FastAPI application: routes, body limits and the OpenAI error shape.
+
+Routes:
+  POST /v1/completions        text completion (JSON or server-sent events)
+  POST /v1/chat/completions   chat completion (JSON or server-sent events)
+  GET  /v1/models             the served model name(s)
+  GET  /health                200 while serving; 503 while shutting down or after an engine failure
+  GET  /metrics               Prometheus text (see `metrics.py`)
+  GET  /v1/stats              the engine's latest statistics as JSON: `engine.stats()` keys
+                              (num_running, num_waiting, cache_usage, prefix_cache_*,
+                              num_preemptions; transfer_bytes / transfer_failures /
+                              held_requests / transfer_gbps on a P/D instance) plus
+                              num_pages_used, num_pages_total, queue_depth and max_queue
+
+Every error is `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status: a body
+over `max_body_bytes` is refused with 413 by its Content-Length, or while it is being read
+(never buffered whole); invalid UTF-8, malformed JSON (NaN and Infinity included) and a body
+that does not match the request schema are 400 (not FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from hybridserve.server import protocol as P
+from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.chat import ChatTemplate
+from hybridserve.server.metrics import CONTENT_TYPE, CountRequests, ServerMetrics
+from hybridserve.server.serving import APIError, OpenAIServing, ServingSettings
+
+log = logging.getLogger("hybridserve.server")
+
+ENDPOINTS = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/v1/stats",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """Server limits. `request_timeout_s=None`: no per-request timeout."""
+
+    model_names: tuple[str, ...] = ("default",)
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float | None = 600.0
+    drain_timeout_s: float = 30.0
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is too large")
+    return value
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON, or an APIError (413 over `limit` bytes, 400 when it is not
+    UTF-8 JSON). The body is read in chunks and dropped as soon as it passes the limit."""
+    too_big = APIError(
+        413,
+        f"the request body is larger than {limit} bytes (--max-body-bytes)",
+        code="body_too_large",
+        headers={"Connection": "close"},
+    )
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise APIError(400, "invalid Content-Length header")
+        if int(length) > limit:
+            raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not valid UTF-8: {err}") from err
+    try:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from err
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate a JSON body against a request model, or raise a 400 APIError."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise _validation_error(err.errors()) from err
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    first = errors[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = "this field is required"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    text = f"{param}: {message}{more}" if param else f"{message}{more}"
+    return APIError(400, text, param=param, code=first.get("type"))
+
+
+def build_app(
+    engine: AsyncEngine,
+    settings: ServerSettings,
+    chat_template: ChatTemplate | None = None,
+) -> FastAPI:
+    """The application over a not yet started `AsyncEngine` (its lifespan starts the engine
+    thread and, on shutdown, drains and stops it)."""
+    core = engine.engine
+    model_dir = Path(core.config.model)
+    metrics = ServerMetrics(engine.stats, lambda: engine.dead is None)
+    serving = OpenAIServing(
+        engine,
+        core.tokenizer,
+        chat_template or ChatTemplate.load(model_dir),
+        ServingSettings(
+            model_names=settings.model_names,
+            max_model_len=core.max_model_len,
+            vocab_size=core.model_config.vocab_size,
+            request_timeout_s=settings.request_timeout_s,
+        ),
+        metrics,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(settings.drain_timeout_s)
+
+    app = FastAPI(title="hybridserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        return _validation_error(list(err.errors())).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return APIError(err.status_code, str(err.detail), kind, headers=err.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(err).__name__}", "internal_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(P.CompletionRequest, await read_json(request, settings.max_body_bytes))
+        return await serving.completions(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse(P.ChatCompletionRequest, await read_json(request, settings.max_body_bytes))
+        return await serving.chat(req, request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [
+            P.ModelCard(id=name, root=str(model_dir), max_model_len=core.max_model_len)
+            for name in settings.model_names
+        ]
+        return JSONResponse(P.ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.dead is not None:
+            return JSONResponse({"status": "engine failed"}, status_code=503)
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(engine.stats())
+
+    return app

@@ -1,0 +1,143 @@
+"""Prometheus metrics of one server (`GET /metrics`), in a registry of its own.
+
+Measured by the server: HTTP requests by endpoint and status, finished requests by finish
+reason, time to first token, inter-token latency and end-to-end latency (histograms, seconds
+from the request's arrival), prompt and generated tokens (counters: tokens/s is
+`rate(hybridserve_generation_tokens_total[1m])`).
+
+Read from the engine's latest statistics at scrape time (`AsyncEngine.stats()`): queue depth,
+running and waiting requests, cache usage and pages, prefix-cache hit rate and tokens,
+preemptions and, on a P/D instance, KV transfer bytes, failures, GB/s and held requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# (engine stats key, metric name, help); gauges, then counters (monotonic engine totals)
+_GAUGES = (
+    ("queue_depth", "queue_depth", "Requests admitted and not finished (bounded by max_queue)"),
+    ("max_queue", "max_queue", "Most requests admitted at once (--max-queue)"),
+    ("num_running", "num_requests_running", "Requests running in the engine"),
+    ("num_waiting", "num_requests_waiting", "Requests waiting in the engine"),
+    ("cache_usage", "cache_usage", "Fraction of cache pages in use (0-1)"),
+    ("num_pages_used", "cache_pages_used", "Cache pages referenced by requests"),
+    ("num_pages_total", "cache_pages_total", "Usable cache pages"),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served from the cache"),
+    ("held_requests", "kv_transfer_held_requests", "Prefill requests holding pages for decode"),
+    ("transfer_gbps", "kv_transfer_gbps", "KV transfer rate over the last 10 s (GB/s)"),
+)
+_COUNTERS = (
+    ("prefix_cache_queried_tokens", "prefix_cache_queried_tokens", "Prompt tokens looked up"),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
+    ("num_preemptions", "preemptions", "Requests preempted for lack of pages"),
+    ("transfer_bytes", "kv_transfer_bytes", "KV cache and state bytes transferred"),
+    ("transfer_failures", "kv_transfer_failures", "KV transfers that failed"),
+)
+
+
+class _EngineCollector:
+    """Turns the latest engine statistics into metric families at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], alive: Callable[[], bool]) -> None:
+        self._stats = stats
+        self._alive = alive
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for key, name, doc in _GAUGES:
+            if key in stats:
+                yield GaugeMetricFamily(f"hybridserve_{name}", doc, value=float(stats[key]))
+        for key, name, doc in _COUNTERS:
+            if key in stats:
+                yield CounterMetricFamily(f"hybridserve_{name}", doc, value=float(stats[key]))
+        yield GaugeMetricFamily(
+            "hybridserve_engine_alive", "1 while the engine loop runs", value=float(self._alive())
+        )
+
+
+class ServerMetrics:
+    """The server's metrics (see the module docstring)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], alive: Callable[[], bool]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "hybridserve_http_requests",
+            "HTTP requests by endpoint and response status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "hybridserve_requests_finished",
+            "Generation requests by finish reason (stop, length, abort, timeout, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "hybridserve_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "hybridserve_inter_token_latency_seconds",
+            "Time between generated tokens",
+            buckets=_TOKEN_GAP,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "hybridserve_e2e_request_latency_seconds",
+            "Arrival to the end of the request",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "hybridserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "hybridserve_generation_tokens", "Generated tokens", registry=r
+        )
+        r.register(_EngineCollector(stats, alive))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class CountRequests:
+    """ASGI middleware: counts every HTTP request by endpoint (unknown paths: "other") and
+    response status (500 when the app fails before responding)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, endpoints: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            path = scope.get("path", "")
+            endpoint = path if path in self.endpoints else "other"
+            self.metrics.http_requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,37 @@
+"""Flags and import direction of the server, without a server process."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from hybridserve.config import KVTransferConfig
+from hybridserve.server.launch import parse_kv_transfer_config
+
+
+def test_kv_transfer_config_flag():
+    assert parse_kv_transfer_config(None) is None
+    config = parse_kv_transfer_config('{"kv_connector":"NixlConnector","kv_role":"kv_producer"}')
+    assert config == KVTransferConfig(kv_role="kv_producer")
+    with pytest.raises(ValueError, match=r"unknown keys \['kv_rank'\]"):
+        parse_kv_transfer_config('{"kv_role":"kv_both","kv_rank":0}')
+
+
+def test_the_engine_never_imports_the_server():
+    root = Path(__file__).resolve().parents[2] / "hybridserve"
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "server" or rel.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{rel}: {n}" for n in names if n.startswith("hybridserve.server")]
+            offenders += [f"{rel}: {n}" for n in names if n.split(".")[0] in ("fastapi", "uvicorn")]
+    assert not offenders, offenders
