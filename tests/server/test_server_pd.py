@@ -1,0 +1,90 @@
+"""A prefill instance and a decode instance (real NIXL over UCX on loopback), by HTTP only.
+
+This is what a proxy does: the prompt goes to the prefill instance with `max_tokens: 1` and
+`kv_transfer_params: {"do_remote_decode": true}`; its response's `kv_transfer_params` go with
+the same prompt to the decode instance, whose greedy output must equal offline generation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from server_harness import SMALL, ServerProcess, wait_until
+
+from hybridserve import SamplingParams
+
+PROMPT = "class Queue:\n    def __init__(self):\n"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    role = '{{"kv_connector": "NixlConnector", "kv_role": "{}"}}'
+    prefill = ServerProcess([*SMALL, "--kv-transfer-config", role.format("kv_producer")], logs, "p")
+    decode = ServerProcess([*SMALL, "--kv-transfer-config", role.format("kv_consumer")], logs, "d")
+    try:
+        for proc in (prefill.launch(), decode.launch()):  # both load at once
+            proc.wait_ready()
+        yield prefill, decode
+    finally:
+        for proc in (prefill, decode):
+            proc.stop()
+
+
+def _prefill(prefill: ServerProcess, path: str, body: dict) -> dict:
+    body = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    response = httpx.post(prefill.url + path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    params = response.json()["kv_transfer_params"]
+    assert {"block_tables", "num_tokens", "host", "port", "engine_id"} <= set(params)
+    return params
+
+
+def test_completion_through_prefill_then_decode_matches_offline(pair, offline):
+    prefill, decode = pair
+    params = _prefill(prefill, "/v1/completions", {"prompt": PROMPT})
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    response = httpx.post(
+        decode.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    got = response.json()
+    want = offline.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), False
+    )[0]
+    assert got["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    assert got["choices"][0]["text"] == want.outputs[0].text
+    assert got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    stats = decode.stats()
+    assert stats["transfer_bytes"] > 0 and stats["transfer_failures"] == 0
+    # the decode side read the pages and told the prefill side, which freed them
+    assert prefill.idle(timeout=30), prefill.stats()
+    assert decode.idle(timeout=30), decode.stats()
+
+
+def test_streamed_chat_through_prefill_then_decode(pair):
+    prefill, decode = pair
+    chat = {"messages": [{"role": "user", "content": "Sort a list."}], "temperature": 0}
+    chat["max_tokens"] = 8
+    params = _prefill(prefill, "/v1/chat/completions", chat)
+    colocated = httpx.post(decode.url + "/v1/chat/completions", json=chat, timeout=120).json()
+    body = {**chat, "stream": True, "kv_transfer_params": params}
+    with httpx.stream("POST", decode.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == colocated["choices"][0]["message"]["content"]
+    assert wait_until(lambda: prefill.stats()["held_requests"] == 0, 30)
+    assert decode.idle(timeout=30) and prefill.idle(timeout=30)
+
+
+def test_decode_instance_refuses_do_remote_decode(pair):
+    _, decode = pair
+    body = {"prompt": PROMPT, "kv_transfer_params": {"do_remote_decode": True}}
+    response = httpx.post(decode.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "kv_producer" in response.json()["error"]["message"]
