@@ -28,10 +28,12 @@ def _colocated(directory, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,mode", [(2, 1, "pull"), (1, 2, "push")])
-def test_processes_with_heterogeneous_tp_match_colocated(
-    hf_checkpoint, prefill_tp, decode_tp, mode
-):
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,mode",
+    [(1, 1, "push"), (2, 1, "pull"), (2, 1, "push"), (1, 2, "pull"), (1, 2, "push")],
+)
+def test_processes_match_colocated_for_each_tp_and_mode(hf_checkpoint, prefill_tp, decode_tp, mode):
+    """(1, 1, "pull") is test_processes_match_colocated_and_leases_free_unread_pages."""
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(32, seed=4)
     want = _colocated(directory, prompts)
