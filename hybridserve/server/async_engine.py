@@ -21,6 +21,9 @@ Lifecycle:
      a snapshot of `engine.stats()` for /metrics and /v1/stats.
   4. A `RequestStream` yields outputs up to the finished one. Closing it before that (client
      disconnect, cancellation) puts an ABORT command, and the engine frees the request's pages.
+     A request holds its queue slot until its stream ends or is closed, or the engine is done
+     with it (finished, aborted, timed out), whichever comes first: a stream nobody reads
+     cannot hold a slot forever.
   5. `shutdown(timeout)`: stop accepting (503), wait up to `timeout` seconds for the live
      requests, then STOP: the thread aborts what is left, ends every stream with `EngineStopped`
      and exits; `shutdown` joins it.
@@ -137,7 +140,7 @@ class AsyncEngine:
         self.poll_interval_s = poll_interval_s
         self._polls = engine.config.kv_transfer is not None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: set[str] = set()  # event-loop side: admitted, not yet ended
+        self._live: set[str] = set()  # event-loop side: admitted, not yet ended or closed
         self._streams: dict[str, tuple[asyncio.Queue, float | None]] = {}  # engine-thread side
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -301,7 +304,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort) and command.req_id in self._streams:
-                del self._streams[command.req_id]
+                self._forget(command.req_id)
                 self.engine.abort_request(command.req_id)
             try:
                 command = self._commands.get_nowait()
@@ -326,14 +329,14 @@ class AsyncEngine:
         if entry is None:
             return  # aborted meanwhile
         if out.finished:
-            del self._streams[out.request_id]
+            self._forget(out.request_id)
         self._send(entry[0], out)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for req_id, (outputs, deadline) in list(self._streams.items()):
             if deadline is not None and deadline < now:
-                del self._streams[req_id]
+                self._forget(req_id)
                 self.engine.abort_request(req_id)
                 self._send(outputs, RequestTimeout(f"request {req_id} timed out"))
 
@@ -342,7 +345,12 @@ class AsyncEngine:
             if abort:
                 self.engine.abort_request(req_id)
             self._send(outputs, error)
-        self._streams.clear()
+            self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        """The request left the engine: free its queue slot even if no one reads its stream."""
+        del self._streams[req_id]
+        self._loop.call_soon_threadsafe(self._live.discard, req_id)
 
     def _drain_adds(self, error: BaseException) -> None:
         """Refuse the ADD commands still queued (after STOP or a failure)."""

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -294,7 +295,14 @@ class OpenAIServing:
         if req.stream:
             events = self._events(stream, track, fmt)
             headers = {"Cache-Control": "no-cache", "X-Request-Id": req_id}
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            # `events` closes the stream itself; the background task covers a response that is
+            # cancelled before its first chunk (the generator never ran, so no `finally` runs)
+            return StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                headers=headers,
+                background=BackgroundTask(stream.close),
+            )
         final = await self._collect(stream, track, request)
         if final is None:  # the client left: nobody reads this
             return Response(status_code=499)

@@ -75,6 +75,20 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_pages(engine):
     assert _pages_used(engine) == 0
 
 
+def test_a_stream_nobody_reads_gives_its_queue_slot_back(engine):
+    async def body(front: AsyncEngine):
+        await front.add_request([1, 2, 3], GREEDY, "unread")
+        assert front.num_live == 1
+        for _ in range(3000):  # the engine finishes it; the slot is free without a reader
+            if front.num_live == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(_run(engine, body, max_queue=1))
+    assert _pages_used(engine) == 0
+
+
 def test_bad_requests_raise_value_error_and_leave_nothing_behind(engine):
     async def body(front: AsyncEngine):
         for prompt in ([], [10**6], [1] * 300):
