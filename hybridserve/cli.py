@@ -1,4 +1,4 @@
-"""`hybridserve generate | serve | convert`: the command line.
+"""`hybridserve generate | serve | proxy | convert`: the command line.
 
 The CLI is the composition root: it may dispatch to the `checkpoints` tooling package, which
 nothing else in the engine imports.
@@ -240,6 +240,27 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from hybridserve.server.proxy import run_proxy
+
+    return run_proxy(
+        args.prefill, args.decode, args.host, args.port, args.request_timeout, args.log_level
+    )
+
+
+_PROXY_EPILOG = """
+Each request goes to a prefill instance (max_tokens 1, kv_transfer_params
+{"do_remote_decode": true}), then with the returned transfer parameters to a decode
+instance, whose reply (JSON or server-sent events) is relayed. Instances are used
+round-robin; one that does not answer leaves the rotation until its /health answers.
+
+example (one machine, default model):
+  hybridserve serve --port 8100 --kv-transfer-config '{"kv_role":"kv_producer"}' &
+  hybridserve serve --port 8200 --kv-transfer-config '{"kv_role":"kv_consumer"}' &
+  hybridserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+"""
+
+
 def _convert(args: argparse.Namespace) -> int:
     from checkpoints.convert import main
 
@@ -281,6 +302,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
+    prx = sub.add_parser(
+        "proxy",
+        help="route requests through prefill and decode instances (disaggregated serving)",
+        description="One OpenAI-compatible endpoint in front of `hybridserve serve` prefill "
+        "(kv_producer) and decode (kv_consumer) instances.",
+        epilog=_PROXY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prx.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill URLs")
+    prx.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode URLs")
+    prx.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    prx.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    prx.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per upstream request"
+    )
+    prx.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    prx.set_defaults(func=_proxy)
     conv = sub.add_parser(
         "convert",
         help="convert an HF checkpoint to our orbax layout",
