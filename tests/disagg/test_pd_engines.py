@@ -6,6 +6,7 @@ a real NIXL READ from the prefill engine's region buffers into the decode engine
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -39,6 +40,26 @@ def _prompts(n, seed=0):
     return [rng.integers(3, 512, size=int(rng.integers(2, 60))).tolist() for _ in range(n)]
 
 
+@contextlib.contextmanager
+def _serving(prefill: LLM):
+    """The prefill engine keeps polling meanwhile (as its serving loop would): it writes the
+    pages of push requests and frees pages on the decode side's notifications."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            prefill.engine.poll_transfers()
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
     outs = prefill.generate(
         [
@@ -52,25 +73,11 @@ def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
         {"prompt_token_ids": p, "kv_transfer_params": o.kv_transfer_params}
         for p, o in zip(prompts, outs, strict=True)
     ]
-    # The prefill engine keeps polling meanwhile (as its serving loop would): it writes the
-    # pages of push requests and frees pages on the decode side's notifications.
-    stop = threading.Event()
-
-    def serve_prefill() -> None:
-        while not stop.is_set():
-            prefill.engine.poll_transfers()
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=serve_prefill, daemon=True)
-    thread.start()
-    try:
+    with _serving(prefill):
         result = decode.generate(handed, params, use_tqdm=False)
         deadline = time.monotonic() + 10
         while prefill.engine.scheduler.held and time.monotonic() < deadline:
             time.sleep(0.001)
-    finally:
-        stop.set()
-        thread.join()
     return [o.outputs[0].token_ids for o in result]
 
 
@@ -118,20 +125,8 @@ def test_transfer_after_the_lease_ended_is_refused(hf_checkpoint, mode):
         {"prompt_token_ids": p, "kv_transfer_params": o.kv_transfer_params}
         for p, o in zip(prompts, outs, strict=True)
     ]
-    stop = threading.Event()
-
-    def serve_prefill() -> None:
-        while not stop.is_set():
-            prefill.engine.poll_transfers()
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=serve_prefill, daemon=True)
-    thread.start()
-    try:
+    with _serving(prefill):
         result = decode.generate(handed, GREEDY, use_tqdm=False)
-    finally:
-        stop.set()
-        thread.join()
     assert decode.engine.connector.failures == len(prompts)
     why = "no longer held the pages" if mode == "pull" else "no held pages"
     for o in result:
