@@ -100,16 +100,49 @@ def test_conv_rejects_bad_width_and_activation():
         conv(x, jnp.ones((1, 4, 4)), w5, b, jnp.array([2]), None)
 
 
+# --- mamba2 --------------------------------------------------------------------------------
+
+
+def _ssm_inputs(rng, bsz, t, nh, p, g, ns, dtype):
+    x = jnp.asarray(rng.standard_normal((bsz, t, nh, p)), dtype)
+    dt = jnp.asarray(rng.uniform(0.01, 0.3, (bsz, t, nh)), dtype)
+    a = jnp.asarray(-rng.uniform(1, 8, nh), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((bsz, t, g, ns)), dtype)
+    c = jnp.asarray(rng.standard_normal((bsz, t, g, ns)), dtype)
+    d = jnp.asarray(rng.uniform(0.5, 1.5, nh), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((bsz, nh, p, ns)), jnp.float32)
+    return x, dt, a, b, c, d, h0
+
+
+# (heads, groups, head dim, state dim): powers of two; heads not a power of two with 3 groups
+# and P, Ns that need padding; one group for many heads.
+SSM_SHAPES = [(8, 2, 8, 16), (6, 3, 6, 12), (5, 1, 16, 8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,g,p,ns", SSM_SHAPES)
+def test_mamba2_step_matches_xla(nh, g, p, ns, dtype):
+    x, dt, a, b, c, d, h0 = _ssm_inputs(_rng(5, nh, g), 3, 1, nh, p, g, ns, dtype)
+    args = (h0, x[:, 0], dt[:, 0], a, b[:, 0], c[:, 0], d)
+    y, h = _jit("mamba2_step", "pallas")(*args)
+    y_ref, h_ref = _jit("mamba2_step", "xla")(*args)
+    _finite(y, h)
+    assert y.dtype == x.dtype and h.dtype == jnp.float32 and h.shape == h0.shape
+    _close(y, y_ref, TOL[dtype])
+    _close(h, h_ref, TOL[dtype])
+
+
 # --- registry --------------------------------------------------------------------------------
 
 
 def test_load_ops_with_fallback_uses_the_pallas_kernels():
-    from backends.pallas import conv
+    from backends.pallas import conv, ssd
 
     ops = load_ops("pallas", fallback="xla")
     assert ops.backend == "pallas"
     assert ops.causal_conv1d is conv.causal_conv1d
     assert ops.causal_conv1d_step is conv.causal_conv1d_step
+    assert ops.mamba2_step is ssd.mamba2_step
     assert ops.rms_norm is get_op("rms_norm", "xla")  # not a pallas kernel: the reference
     with pytest.raises(BackendError, match="has no implementation of op 'rms_norm'"):
         load_ops("pallas")
