@@ -132,6 +132,45 @@ def test_mamba2_step_matches_xla(nh, g, p, ns, dtype):
     _close(h, h_ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "t,chunk,shape",
+    [
+        (21, 8, SSM_SHAPES[0]),
+        (1, 8, SSM_SHAPES[1]),
+        (40, 16, SSM_SHAPES[2]),
+        (9, 64, (4, 4, 8, 16)),
+    ],
+)
+def test_mamba2_scan_matches_xla(t, chunk, shape, dtype):
+    nh, g, p, ns = shape
+    args = _ssm_inputs(_rng(6, t, nh), 2, t, nh, p, g, ns, dtype)
+    y, h = _jit("mamba2_scan", "pallas", (7,))(*args, chunk)
+    y_ref, h_ref = _jit("mamba2_scan", "xla", (7,))(*args, chunk)
+    _finite(y, h)
+    assert y.dtype == args[0].dtype and h.dtype == jnp.float32
+    _close(y, y_ref, TOL[dtype])
+    _close(h, h_ref, TOL[dtype])
+
+
+def test_mamba2_scan_padding_rows_leave_the_state_right():
+    # A variable-length batch: row 1 has 5 valid tokens of 13, row 2 none (all padding).
+    x, dt, a, b, c, d, h0 = _ssm_inputs(_rng(7), 3, 13, 6, 8, 2, 16, jnp.float32)
+    valid = jnp.arange(13)[None, :] < jnp.array([13, 5, 0])[:, None]
+    x = jnp.where(valid[:, :, None, None], x, 0.0)
+    dt = jnp.where(valid[:, :, None], dt, 0.0)
+    y, h = _jit("mamba2_scan", "pallas", (7,))(x, dt, a, b, c, d, h0, 8)
+    _finite(y, h)
+    _, h_short = _jit("mamba2_scan", "xla", (7,))(
+        x[1:2, :5], dt[1:2, :5], a, b[1:2, :5], c[1:2, :5], d, h0[1:2], 8
+    )
+    _close(h[1:2], h_short, 1e-5)
+    _close(h[2], h0[2], 1e-6)
+    y_ref, h_ref = _jit("mamba2_scan", "xla", (7,))(x, dt, a, b, c, d, h0, 8)
+    _close(y, y_ref, 1e-5)
+    _close(h, h_ref, 1e-5)
+
+
 # --- registry --------------------------------------------------------------------------------
 
 
@@ -143,6 +182,7 @@ def test_load_ops_with_fallback_uses_the_pallas_kernels():
     assert ops.causal_conv1d is conv.causal_conv1d
     assert ops.causal_conv1d_step is conv.causal_conv1d_step
     assert ops.mamba2_step is ssd.mamba2_step
+    assert ops.mamba2_scan is ssd.mamba2_scan
     assert ops.rms_norm is get_op("rms_norm", "xla")  # not a pallas kernel: the reference
     with pytest.raises(BackendError, match="has no implementation of op 'rms_norm'"):
         load_ops("pallas")
