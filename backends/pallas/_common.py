@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 ENV_INTERPRET = "HYBRIDSERVE_PALLAS_INTERPRET"
 
@@ -18,6 +19,12 @@ def interpret() -> bool:
     if flag in ("0", "false", "no", "off"):
         return False
     return jax.default_backend() == "cpu"
+
+
+def triton_params(num_warps: int | None = None, num_stages: int | None = None):
+    """Compiler params that select the Triton lowering on GPU (jax otherwise picks Mosaic GPU);
+    ignored in interpret mode."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def next_pow2(n: int) -> int:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends.pallas._common import interpret, next_pow2, pad_axis, round_up
+from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
 
 MAX_BLOCK_C = 64
@@ -103,6 +103,7 @@ def causal_conv1d(
             pl.BlockSpec((None, width - 1, bc), lambda i, j: (i, 0, j)),
         ),
         interpret=interpret(),
+        compiler_params=triton_params(),
         name="causal_conv1d",
     )(lengths, u, w_t, b[None, :])
     return y[:, :t, :ch], jnp.swapaxes(s[:, :, :ch], 1, 2)
@@ -153,6 +154,7 @@ def causal_conv1d_step(
             pl.BlockSpec((None, bc, width - 1), lambda i, j: (i, j, 0)),
         ),
         interpret=interpret(),
+        compiler_params=triton_params(),
         name="causal_conv1d_step",
     )(pad_axis(x, 1, cp), pad_axis(state, 1, cp), w_t, b[None, :])
     return y[:, :ch], s[:, :ch]

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends.pallas._common import interpret, next_pow2, pad_axis, round_up
+from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
 
 F32 = jnp.float32
@@ -93,6 +93,7 @@ def mamba2_step(
             pl.BlockSpec((None, None, pp, nsp), lambda i, h: (i, h, 0, 0)),
         ),
         interpret=interpret(),
+        compiler_params=triton_params(),
         name="mamba2_step",
     )(state_p, pad_axis(x, 2, pp), dt, a, pad_axis(b, 2, nsp), pad_axis(c, 2, nsp), d)
     return y[:, :, :p], new_state[:, :, :p, :ns]
@@ -173,6 +174,7 @@ def mamba2_scan(
             pl.BlockSpec((None, None, pp, nsp), lambda i, h: (i, h, 0, 0)),
         ),
         interpret=interp,
+        compiler_params=triton_params(),
         name="mamba2_scan",
     )(xs, dts, a, bs, cs, d, h0)
     return y[:, :t, :, :p], final[:, :, :p, :ns]

@@ -171,6 +171,50 @@ def test_mamba2_scan_padding_rows_leave_the_state_right():
     _close(h, h_ref, 1e-5)
 
 
+# --- GPU lowering ----------------------------------------------------------------------------
+
+S = jax.ShapeDtypeStruct
+BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+# Awkward shapes: widths 3 (state not a power of two), C = 70, T = 37/100, P = 6, Ns = 12.
+LOWERING_CASES = {
+    "causal_conv1d": (
+        lambda x, s, w, b, n: get_op("causal_conv1d", "pallas")(x, s, w, b, n, "silu"),
+        (S((4, 37, 70), BF), S((4, 70, 2), BF), S((70, 3), BF), S((70,), BF), S((4,), I32)),
+    ),
+    "causal_conv1d_step": (
+        lambda x, s, w, b: get_op("causal_conv1d_step", "pallas")(x, s, w, b, None),
+        (S((4, 70), BF), S((4, 70, 3), BF), S((70, 4), BF), S((70,), BF)),
+    ),
+    "mamba2_step": (
+        get_op("mamba2_step", "pallas"),
+        (S((3, 6, 6, 12), F32), S((3, 6, 6), BF), S((3, 6), BF), S((6,), F32))
+        + (S((3, 3, 12), BF), S((3, 3, 12), BF), S((6,), F32)),
+    ),
+    "mamba2_scan": (
+        lambda *args: get_op("mamba2_scan", "pallas")(*args, 64),
+        (S((2, 100, 6, 64), BF), S((2, 100, 6), BF), S((6,), F32), S((2, 100, 1, 128), BF))
+        + (S((2, 100, 1, 128), BF), S((6,), F32), S((2, 6, 64, 128), F32)),
+    ),
+}
+
+
+@pytest.mark.parametrize("op", sorted(LOWERING_CASES))
+def test_kernel_lowers_to_triton_for_gpu(op, monkeypatch):
+    """Lower for CUDA on this machine (no GPU needed): the Pallas -> Triton lowering checks the
+    power-of-two tile rule and the supported primitives. Compiling to PTX needs a GPU."""
+    from jax import export
+
+    monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
+    fn, args = LOWERING_CASES[op]
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+    )(*args)
+    assert triton in exported.mlir_module()
+
+
 # --- registry --------------------------------------------------------------------------------
 
 
