@@ -12,7 +12,9 @@ ENV_INTERPRET = "HYBRIDSERVE_PALLAS_INTERPRET"
 
 
 def interpret() -> bool:
-    """Run kernels in interpret mode? From the env var when set, else on CPU only."""
+    """Run kernels in interpret mode? From the env var when set, else on CPU only.
+
+    Read when an op is traced: a function jax has already traced keeps its choice."""
     flag = os.environ.get(ENV_INTERPRET, "").strip().lower()
     if flag in ("1", "true", "yes", "on"):
         return True
