@@ -28,8 +28,12 @@ def _llm(directory, tp=1, role=None, mode="pull", kv=None, **kw):
         max_num_batched_tokens=2048,
         tensor_parallel_size=tp,
         progress=False,
+        # `generate` hands the prefill outputs over only once all 32 are done (minutes on a busy
+        # CPU at TP 2), so the default lease is long; the lease tests set their own.
         kv_transfer_config=(
-            KVTransferConfig(kv_role=role, transfer_mode=mode, **(kv or {})) if role else None
+            KVTransferConfig(kv_role=role, transfer_mode=mode, **{"lease_s": 600.0, **(kv or {})})
+            if role
+            else None
         ),
         **kw,
     )
