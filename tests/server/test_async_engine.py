@@ -67,7 +67,7 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_pages(engine):
         assert len(out.new_token_ids) == 1 and not out.finished
         stream.close()
         assert front.num_live == 0
-        await asyncio.to_thread(wait_until, lambda: front.stats()["num_pages_used"] == 0, 10)
+        await asyncio.to_thread(wait_until, lambda: front.stats()["num_pages_used"] == 0, 120)
         return front.stats()
 
     stats = asyncio.run(_run(engine, body))
