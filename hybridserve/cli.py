@@ -47,13 +47,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from hybridserve.api import LLM
-    from hybridserve.sampling_params import SamplingParams
-
-    start = time.perf_counter()
-    llm = LLM(
-        args.model,
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine settings `_add_engine_args` defines, as `LLM` / `EngineConfig` keywords."""
+    return dict(
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         backend=args.backend,
@@ -61,6 +57,17 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hybridserve.api import LLM
+    from hybridserve.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        args.model,
+        **_engine_kwargs(args),
         progress=True,
     )
     params = SamplingParams(
@@ -136,13 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model_arg or "default"]
     engine_config = EngineConfig(
         model=model,
-        dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        backend=args.backend,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
+        **_engine_kwargs(args),
         cache=CacheConfig(block_size=args.block_size),
         seed=args.seed,
         kv_transfer=kv_transfer,

@@ -96,30 +96,19 @@ class ResponseFormat:
         self.completion_tokens = len(c.token_ids)
         logprobs = self._logprobs(c.token_ids, c.logprobs)
         token_ids = list(c.token_ids) if self.ids else None
-        if self.chat:
-            choice = P.ChatChoice(
-                message=P.ChatMessageOut(content=c.text),
-                logprobs=logprobs,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                token_ids=token_ids,
-            )
-            return P.ChatCompletionResponse(
-                id=self.req_id,
-                model=self.model,
-                choices=[choice],
-                usage=self._usage(),
-                prompt_token_ids=self.prompt_ids,
-                kv_transfer_params=out.kv_transfer_params,
-            )
-        choice = P.CompletionChoice(
-            text=c.text,
+        common = dict(
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             token_ids=token_ids,
         )
-        return P.CompletionResponse(
+        if self.chat:
+            choice = P.ChatChoice(message=P.ChatMessageOut(content=c.text), **common)
+            response = P.ChatCompletionResponse
+        else:
+            choice = P.CompletionChoice(text=c.text, **common)
+            response = P.CompletionResponse
+        return response(
             id=self.req_id,
             model=self.model,
             choices=[choice],
