@@ -7,8 +7,8 @@ tolerances stated in their tests.
 
 Dimension letters used in the shapes below:
   B batch rows, T tokens per row, S cache length, N query heads, K kv heads, H head dim,
-  C conv channels, W conv width, Hs ssm heads, P ssm head dim, G ssm groups, Ns ssm state dim,
-  E experts, M routed token slots (tokens * top_k).
+  Pg cache pages, C conv channels, W conv width, Hs ssm heads, P ssm head dim, G ssm groups,
+  Ns ssm state dim, E experts, M routed token slots (tokens * top_k).
 """
 
 from __future__ import annotations
@@ -123,25 +123,74 @@ class Mamba2Step(Protocol):
         """
 
 
-class CachedAttention(Protocol):
+@dataclasses.dataclass(frozen=True)
+class RelativeBias:
+    """Bucketing of query-key distances `d = p_q - p_k >= 0` for a learned relative-position
+    bias: distances below `num_exact` get a bucket each; from `num_exact` on, the remaining
+    buckets start at log-spaced distances up to `max_distance`; the last bucket holds every
+    distance from its start on. Bucket starts are integers fixed here (no float rounding in the
+    kernels): `bucket(d) = #{b : boundaries[b] <= d} - 1`."""
+
+    num_buckets: int
+    num_exact: int
+    max_distance: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_exact <= self.num_buckets:
+            raise ValueError(f"need 0 < num_exact ({self.num_exact}) <= num_buckets")
+        if self.num_exact < self.num_buckets and self.max_distance <= self.num_exact:
+            raise ValueError(f"max_distance ({self.max_distance}) must exceed num_exact")
+
+    def boundaries(self) -> tuple[int, ...]:
+        """The first distance of each bucket (`num_buckets` strictly increasing ints from 0)."""
+        starts = list(range(self.num_exact))
+        log_buckets = self.num_buckets - self.num_exact
+        ratio = self.max_distance / self.num_exact
+        for i in range(log_buckets):
+            start = int(round(self.num_exact * ratio ** (i / max(log_buckets - 1, 1))))
+            starts.append(max(start, starts[-1] + 1))
+        return tuple(starts)
+
+    def bucket(self, distance: Array) -> Array:
+        """Bucket of each distance (negative distances, never visible, map to bucket 0)."""
+        bounds = jax.numpy.asarray(self.boundaries(), jax.numpy.int32)
+        d = jax.numpy.maximum(distance, 0).astype(jax.numpy.int32)
+        return jax.numpy.searchsorted(bounds, d, side="right").astype(jax.numpy.int32) - 1
+
+
+class PagedAttention(Protocol):
     def __call__(
         self,
         q: Array,
-        k_cache: Array,
-        v_cache: Array,
+        k_pages: Array,
+        v_pages: Array,
+        block_table: Array,
         q_positions: Array,
         kv_lengths: Array,
         scale: float,
         sliding_window: int | None,
+        rel_q: Array | None = None,
+        rel_table: Array | None = None,
+        rel_bias: RelativeBias | None = None,
     ) -> Array:
-        """Causal GQA attention of new queries over a per-row contiguous KV cache.
+        """Causal GQA attention of a ragged batch (prefill chunks and decode tokens, rows
+        right-padded to T) over the paged KV cache, this step's keys already written.
 
-        Key j is visible to a query at position p when `j <= p`, `j < kv_lengths[b]` and, with a
-        window, `p - j < sliding_window`. Softmax in float32.
+        Key j of row b lives in page `block_table[b, j // page]`, slot `j % page`. It is visible
+        to a query at position p when `j <= p`, `j < kv_lengths[b]` and, with a window,
+        `p - j < sliding_window`. Query head n reads kv head `n // (N / K)`. The logits are
+          `l[n, p, j] = scale * q_n(p) . k(j) + rel_q_n(p) . rel_table[bucket(p - j)]`
+        (the second term only with a relative bias: per-query vectors times the learned table
+        of distance embeddings, computed by the kernels per tile, never as a [T, S] array).
+        Softmax in float32. Keys that are not visible may hold any bytes (other layers' state,
+        freed pages): they must not reach the output, even as NaN * 0. A query with no visible
+        key outputs zeros.
 
         Args:
-          q: [B, T, N, H]. k_cache, v_cache: [B, S, K, H] with N % K == 0.
-          q_positions: [B, T] int32 absolute positions. kv_lengths: [B] int32.
+          q: [B, T, N, H]. k_pages, v_pages: [Pg, K, page, H] (head-major pages, the cache
+          layout) with N % K == 0. block_table: [B, nblk] int32 page ids (covering every visible
+          key of the row). q_positions: [B, T] int32 absolute positions. kv_lengths: [B] int32.
+          rel_q: [B, T, N, R]; rel_table: [num_buckets, R]; rel_bias: the bucketing.
         Returns: [B, T, N, H] in q's dtype.
         """
 
@@ -162,7 +211,7 @@ OP_SIGNATURES: dict[str, type] = {
     "causal_conv1d_step": CausalConv1dStep,
     "mamba2_scan": Mamba2Scan,
     "mamba2_step": Mamba2Step,
-    "cached_attention": CachedAttention,
+    "paged_attention": PagedAttention,
     "grouped_matmul": GroupedMatmul,
 }
 
@@ -193,7 +242,7 @@ class Ops:
     causal_conv1d_step: CausalConv1dStep
     mamba2_scan: Mamba2Scan
     mamba2_step: Mamba2Step
-    cached_attention: CachedAttention
+    paged_attention: PagedAttention
     grouped_matmul: GroupedMatmul
 
 

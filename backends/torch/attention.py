@@ -1,4 +1,5 @@
-"""Causal GQA attention over a per-row contiguous KV cache with torch's SDPA."""
+"""Causal GQA attention over the paged KV cache with torch's SDPA: the pages of each row are
+gathered into a contiguous cache, and the mask and relative bias become SDPA's additive mask."""
 
 from __future__ import annotations
 
@@ -6,42 +7,64 @@ import jax
 import torch
 import torch.nn.functional as F
 
-from backends.protocol import register
+from backends.protocol import RelativeBias, register
 from backends.torch.bridge import call
 
 
-@register("cached_attention", "torch")
-def cached_attention(
+def _gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[Pg, K, page, H] and [B, nblk] -> [B, K, nblk * page, H]."""
+    rows = pages[table.long()]  # [B, nblk, K, page, H]
+    b, nblk, k, page, h = rows.shape
+    return rows.permute(0, 2, 1, 3, 4).reshape(b, k, nblk * page, h)
+
+
+@register("paged_attention", "torch")
+def paged_attention(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
     q_positions: jax.Array,
     kv_lengths: jax.Array,
     scale: float,
     sliding_window: int | None,
+    rel_q: jax.Array | None = None,
+    rel_table: jax.Array | None = None,
+    rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
-    def fn(qt, kt, vt, pos, kv_len):
-        s = kt.shape[1]
+    bounds = None if rel_bias is None else rel_bias.boundaries()
+
+    def fn(qt, kp, vp, table, pos, kv_len, *rel):
+        k, v = _gather(kp, table).float(), _gather(vp, table).float()  # [B, K, S, H]
+        s = k.shape[2]
         key_pos = torch.arange(s, device=qt.device)[None, None, :]  # [1, 1, S]
         qp = pos.long()[:, :, None]  # [B, T, 1]
         visible = (key_pos <= qp) & (key_pos < kv_len.long()[:, None, None])
         if sliding_window is not None:
             visible &= qp - key_pos < sliding_window
-        # A query with no visible key (padding) attends uniformly over the whole cache, as the
-        # reference does (all logits zero): a zero query with every key unmasked.
+        seen = visible.any(1)[:, None, :, None]  # [B, 1, S, 1]: unseen keys may be garbage
+        k, v = torch.where(seen, k, 0.0), torch.where(seen, v, 0.0)
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=qt.device)[:, None]
+        if rel:
+            rq, tab = rel
+            per_bucket = torch.einsum("btnd,ed->bnte", rq.float(), tab.float())
+            edges = torch.tensor(bounds, device=qt.device)
+            bucket = torch.bucketize((qp - key_pos).clamp(min=0), edges, right=True) - 1
+            idx = bucket[:, None].expand(-1, per_bucket.shape[1], -1, -1)  # [B, N, T, S]
+            mask = torch.gather(per_bucket, 3, idx)
+        # A query with no visible key attends to every (zeroed) key; its output is zeroed.
         empty = ~visible.any(-1)  # [B, T]
-        visible = visible | empty[:, :, None]
-        q32 = torch.where(empty[:, :, None, None], 0.0, qt.float())
+        mask = mask.masked_fill(~(visible | empty[:, :, None])[:, None], float("-inf"))
         out = F.scaled_dot_product_attention(
-            q32.transpose(1, 2),  # [B, N, T, H]
-            kt.float().transpose(1, 2),  # [B, K, S, H]
-            vt.float().transpose(1, 2),
-            attn_mask=visible[:, None],  # [B, 1, T, S]
+            qt.float().transpose(1, 2),  # [B, N, T, H]
+            k,
+            v,
+            attn_mask=mask,  # [B, 1 or N, T, S]
             scale=scale,
-            enable_gqa=True,  # query head h reads kv head h // (N / K)
-        )
-        return out.transpose(1, 2).to(qt.dtype)
+            enable_gqa=True,  # query head n reads kv head n // (N / K)
+        ).transpose(1, 2)
+        return torch.where(empty[:, :, None, None], 0.0, out).to(qt.dtype)
 
-    return call(
-        fn, jax.ShapeDtypeStruct(q.shape, q.dtype), q, k_cache, v_cache, q_positions, kv_lengths
-    )
+    rel = () if rel_bias is None else (rel_q, rel_table)
+    arrays = (q, k_pages, v_pages, block_table, q_positions, kv_lengths, *rel)
+    return call(fn, jax.ShapeDtypeStruct(q.shape, q.dtype), *arrays)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from backends.protocol import Ops
 from hybridserve.config import AttentionConfig
-from hybridserve.layers.cache_view import read_kv, write_kv
+from hybridserve.layers.cache_view import kv_pages, write_kv
 from hybridserve.layers.linear import Einsum
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput
@@ -47,30 +47,19 @@ class Attention(nnx.Module):
             q = apply_rope(q, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
             k = apply_rope(k, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
         table = inputs.tables[acc.group]
-        # Read the cached keys first, lay this step's tokens over them (rounded to the cache
-        # dtype, as a later step will read them), and write the region last: one read and one
-        # in-place write of the region per layer.
-        k_all, v_all, region = read_kv(region, acc, tp, table)  # [B, S, K, H]
+        # Write this step's keys first (rounded to the cache dtype, as later steps read them),
+        # then attend over the pages: one in-place write of the region per layer.
         k, v = k.astype(acc.dtype), v.astype(acc.dtype)
-        rows = jnp.arange(k.shape[0])[:, None]
-        at = jnp.where(inputs.valid, inputs.positions, k_all.shape[1])  # padding: dropped
-        k_all = k_all.at[rows, at].set(k, mode="drop")
-        v_all = v_all.at[rows, at].set(v, mode="drop")
-        # Keys no query of the row can see may hold another view's bytes: zero them.
-        key = jnp.arange(k_all.shape[1])[None, :]
-        live = key < inputs.kv_lengths[:, None]
-        if self.cfg.sliding_window is not None:
-            live &= key > inputs.positions[:, :1] - self.cfg.sliding_window
-        k_all = jnp.where(live[:, :, None, None], k_all, 0)
-        v_all = jnp.where(live[:, :, None, None], v_all, 0)
-        out = self.ops.cached_attention(
+        region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
+        k_pages, v_pages = kv_pages(region, acc, tp)
+        out = self.ops.paged_attention(
             q,
-            k_all.astype(q.dtype),
-            v_all.astype(q.dtype),
+            k_pages,
+            v_pages,
+            table,
             inputs.positions,
             inputs.kv_lengths,
             self.cfg.softmax_scale,
             self.cfg.sliding_window,
         )
-        region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
         return self.o_proj(out), region

@@ -160,11 +160,21 @@ def write_kv(
     return region
 
 
+def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Array, jax.Array]:
+    """The whole region as typed K and V pages `[kernel blocks, K, kb, H]` each (the layout
+    `paged_attention` reads; a view: no page is gathered here)."""
+    kb, heads = acc.kernel_block, acc.kv_heads_local
+    typed = from_raw(region, acc.dtype, (acc.head_dim,))  # [tp, rows, H]
+    typed = typed.reshape(tp, -1, 2, heads, kb, acc.head_dim)  # [tp, blocks, K|V, heads, kb, H]
+    full = undup(merge_tp(typed, 2), 2, acc.dup(tp))  # [blocks, K|V, K, kb, H]
+    return full[:, 0], full[:, 1]
+
+
 def read_kv(
     region: jax.Array, acc: AttentionAccess, tp: int, table: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """K and V of every block in `table` ([B, nblk]) as [B, nblk*kb, K, H] each, and the
-    region."""
+    region (a gathered copy; the model reads pages through `kv_pages`)."""
     kb, heads = acc.kernel_block, acc.kv_heads_local
     hs, slot = jnp.arange(heads)[:, None], jnp.arange(kb)[None, :]
     base = ((table[:, :, None, None] * 2) * heads + hs) * kb + slot  # [B, nblk, heads, kb]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.protocol import BackendError, get_op
+from backends.protocol import BackendError, RelativeBias, get_op
 
 TOLERANCE = {
     jnp.dtype(jnp.float32): 2e-5,  # float32 throughout: only summation order differs
@@ -231,27 +231,56 @@ def test_mamba2_step(backend, nh, g, dtype):
 # --- attention -----------------------------------------------------------------------------
 
 
+def _paged_inputs(rng, bsz, t, nq, kv, head_dim, page, dtype, starts, kv_len, dr=8):
+    """Random pages (each row's pages scattered over the cache, NaN in every slot that no query
+    may see and in the unused pages) and queries at `starts`."""
+    nblk = -(-int(max(kv_len.max(), 1)) // page) + 1  # one spare table column per row
+    n_pages = bsz * nblk + 3
+    kp = rng.standard_normal((n_pages, kv, page, head_dim))
+    vp = rng.standard_normal((n_pages, kv, page, head_dim))
+    table = rng.permutation(np.arange(1, n_pages))[: bsz * nblk].reshape(bsz, nblk)
+    for b in range(bsz):
+        for j in range(kv_len[b], nblk * page):
+            kp[table[b, j // page], :, j % page] = np.nan
+            vp[table[b, j // page], :, j % page] = np.nan
+    unused = np.setdiff1d(np.arange(n_pages), table)
+    kp[unused], vp[unused] = np.nan, np.nan
+    q = rng.standard_normal((bsz, t, nq, head_dim))
+    pos = (np.asarray(starts)[:, None] + np.arange(t)).astype(np.int32)
+    rel_q = rng.standard_normal((bsz, t, nq, dr)) * 0.5
+    rel_table = rng.standard_normal((12, dr))
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    arrays = (cast(q), cast(kp), cast(vp), jnp.asarray(table, jnp.int32), jnp.asarray(pos))
+    return arrays, jnp.asarray(kv_len, jnp.int32), cast(rel_q), cast(rel_table)
+
+
 @pytest.mark.parametrize("dtype", FP_DTYPES)
+@pytest.mark.parametrize("rel", [False, True])
 @pytest.mark.parametrize("window", [None, 4])
-@pytest.mark.parametrize("ratio,head_dim", [(1, 64), (4, 80), (8, 128)])
+@pytest.mark.parametrize("ratio,head_dim,page", [(1, 64, 4), (4, 80, 8), (8, 128, 16)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cached_attention(backend, ratio, head_dim, window, dtype):
-    """Rows: a prefill chunk from 0, a chunk ending at the cache's last slot, a decode token at
-    a window edge, and a padding row (kv_length 0: no visible key)."""
-    ref_op, op = _ops("cached_attention", backend)
-    rng = _rng("attn", ratio, head_dim, window)
-    bsz, t, kv, s = 4, 5, 2, 16
-    nq = kv * ratio
-    q = jnp.asarray(rng.standard_normal((bsz, t, nq, head_dim)), dtype)
-    k = jnp.asarray(rng.standard_normal((bsz, s, kv, head_dim)), dtype)
-    v = jnp.asarray(rng.standard_normal((bsz, s, kv, head_dim)), dtype)
-    starts = np.array([0, s - t, 8, 0])
-    pos = (starts[:, None] + np.arange(t)).astype(np.int32)
-    kv_len = np.array([t, s, 9, 0], np.int32)  # row 2: only its first token is real
+def test_paged_attention(backend, ratio, head_dim, page, window, rel, dtype):
+    """Rows: a prefill chunk from 0, a chunk ending on a page edge, a decode token at a window
+    edge (the rest of its row is padding), a padding row (kv_length 0: no visible key), and a
+    chunk continuing a long context."""
+    ref_op, op = _ops("paged_attention", backend)
+    rng = _rng("paged", ratio, head_dim, page, window, rel)
+    bsz, t, kv = 5, 6, 2
+    starts = np.array([0, 2 * page - t, 8, 0, 3 * page + 1])
+    kv_len = np.array([t, 2 * page, 9, 0, 3 * page + 1 + t])  # row 2: one real token
+    arrays, kv_len, rq, tab = _paged_inputs(
+        rng, bsz, t, kv * ratio, kv, head_dim, page, dtype, starts, kv_len
+    )
     static = {"scale": head_dim**-0.5, "sliding_window": window}
-    ref, got = _both(ref_op, op, static, q, k, v, jnp.asarray(pos), jnp.asarray(kv_len))
+    if rel:
+        static["rel_bias"] = RelativeBias(num_buckets=12, num_exact=3, max_distance=20)
+        with_rel = lambda f: lambda *a, **kw: f(*a[:6], rel_q=a[6], rel_table=a[7], **kw)  # noqa: E731
+        ref, got = _both(with_rel(ref_op), with_rel(op), static, *arrays, kv_len, rq, tab)
+    else:
+        ref, got = _both(ref_op, op, static, *arrays, kv_len)
     assert got.dtype == ref.dtype
     _check(got, ref, dtype)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
 
 
 # --- MoE ------------------------------------------------------------------------------------
@@ -277,15 +306,14 @@ def test_grouped_matmul(backend, sizes, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eager_calls_match_jitted(backend):
     """Concrete arrays (no jit) take the backend's eager path (DLPack for torch)."""
-    ref_op, op = _ops("cached_attention", backend)
-    rng = _rng("eager")
-    q = jnp.asarray(rng.standard_normal((2, 3, 8, 64)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((2, 8, 2, 64)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((2, 8, 2, 64)), jnp.bfloat16)
-    pos, kv_len = jnp.asarray([[0, 1, 2], [5, 6, 7]]), jnp.asarray([3, 8])
-    eager = op(q, k, v, pos, kv_len, 0.125, None)
+    ref_op, op = _ops("paged_attention", backend)
+    starts, kv_len = np.array([0, 5]), np.array([3, 8])
+    args, kv_len, _, _ = _paged_inputs(
+        _rng("eager"), 2, 3, 8, 2, 64, 4, jnp.bfloat16, starts, kv_len
+    )
+    eager = op(*args, kv_len, 0.125, None)
     assert isinstance(eager, jax.Array) and eager.dtype == jnp.bfloat16
-    ref = jax.jit(lambda *a: ref_op(*a, 0.125, None))(q, k, v, pos, kv_len)
+    ref = jax.jit(lambda *a: ref_op(*a, 0.125, None))(*args, kv_len)
     _check(eager, ref, jnp.bfloat16)
     ref_op, op = _ops("mamba2_scan", backend)
     args = _ssm_inputs(_rng("eager_scan"), 2, 11, 4, 8, 2, 16, jnp.float32)
@@ -298,7 +326,7 @@ def test_torch_backend_unavailable_without_torch():
     """Without torch, the backend is reported as not available (and `xla` still loads)."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from backends.protocol import BackendError, get_op, load_ops\n"
+        "from backends.protocol import BackendError, RelativeBias, get_op, load_ops\n"
         "load_ops('xla')\n"
         "try:\n    get_op('rms_norm', 'torch')\nexcept BackendError as e:\n    print(e)\n"
     )

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.protocol import BackendError, get_op, load_ops
+from backends.protocol import BackendError, RelativeBias, get_op, load_ops
 
 OPS = load_ops("xla")
 RNG = np.random.default_rng(0)
@@ -111,36 +111,76 @@ def test_causal_conv1d_step_equals_one_token_chunk():
     _close(s, np.asarray(s2))
 
 
+def _bucket_loop(d: int, spec: RelativeBias) -> int:
+    """The bucket of distance d straight from the definition: the last start <= d."""
+    return max(i for i, start in enumerate(spec.boundaries()) if start <= d)
+
+
+def test_relative_bias_buckets():
+    spec = RelativeBias(num_buckets=12, num_exact=4, max_distance=64)
+    starts = spec.boundaries()
+    assert starts[:4] == (0, 1, 2, 3) and len(starts) == 12
+    assert all(b > a for a, b in zip(starts, starts[1:], strict=False)) and starts[-1] == 64
+    d = np.arange(0, 200)
+    expect = [_bucket_loop(int(x), spec) for x in d]
+    np.testing.assert_array_equal(np.asarray(spec.bucket(jnp.asarray(d))), expect)
+    with pytest.raises(ValueError):
+        RelativeBias(num_buckets=4, num_exact=8, max_distance=64)
+
+
+@pytest.mark.parametrize("rel", [False, True])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("ratio", [1, 4])
-def test_cached_attention(window, ratio):
-    bsz, t, kv, hd, s = 2, 5, 2, 16, 12
+def test_paged_attention(window, ratio, rel):
+    """Scattered pages, NaN in every slot no query may see, and a relative bias: against a
+    per-query float64 loop over the visible keys."""
+    bsz, t, kv, hd, page, nblk, n_pages, dr = 2, 5, 2, 16, 4, 3, 9, 6
     nq = kv * ratio
+    spec = RelativeBias(num_buckets=6, num_exact=2, max_distance=8) if rel else None
     q = RNG.standard_normal((bsz, t, nq, hd))
-    k = RNG.standard_normal((bsz, s, kv, hd))
-    v = RNG.standard_normal((bsz, s, kv, hd))
+    kp = RNG.standard_normal((n_pages, kv, page, hd))
+    vp = RNG.standard_normal((n_pages, kv, page, hd))
+    table = np.array([[3, 7, 1], [8, 2, 5]], np.int32)
     starts = np.array([0, 4])
     pos = starts[:, None] + np.arange(t)
     kv_len = starts + t
-    out = OPS.cached_attention(
-        *(jnp.asarray(a, jnp.float32) for a in (q, k, v)),
+    rq = RNG.standard_normal((bsz, t, nq, dr))
+    tab = RNG.standard_normal((6, dr))
+    for bi in range(bsz):  # poison every cache slot past the row's keys, and unused pages
+        for j in range(kv_len[bi], nblk * page):
+            kp[table[bi, j // page], :, j % page] = np.nan
+            vp[table[bi, j // page], :, j % page] = np.nan
+    kp[[0, 4, 6]] = np.nan
+    vp[[0, 4, 6]] = np.nan
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    rel_args = (f32(rq), f32(tab), spec) if rel else (None, None, None)
+    out = OPS.paged_attention(
+        f32(q),
+        f32(kp),
+        f32(vp),
+        jnp.asarray(table),
         jnp.asarray(pos),
         jnp.asarray(kv_len),
         0.3,
         window,
+        *rel_args,
     )
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
     for bi in range(bsz):
         for ti in range(t):
+            p = pos[bi, ti]
+            keys = [j for j in range(kv_len[bi]) if j <= p and (window is None or p - j < window)]
             for h in range(nq):
-                keys = [
-                    j
-                    for j in range(kv_len[bi])
-                    if j <= pos[bi, ti] and (window is None or pos[bi, ti] - j < window)
-                ]
-                logits = np.array([q[bi, ti, h] @ k[bi, j, h // ratio] * 0.3 for j in keys])
-                p = np.exp(logits - logits.max())
-                ref = (p / p.sum()) @ v[bi, keys, h // ratio]
-                _close(np.asarray(out)[bi, ti, h], ref)
+                ks = np.stack([kp[table[bi, j // page], h // ratio, j % page] for j in keys])
+                vs = np.stack([vp[table[bi, j // page], h // ratio, j % page] for j in keys])
+                logits = ks @ q[bi, ti, h] * 0.3
+                if rel:
+                    logits += np.array(
+                        [rq[bi, ti, h] @ tab[_bucket_loop(p - j, spec)] for j in keys]
+                    )
+                e = np.exp(logits - logits.max())
+                _close(out[bi, ti, h], (e / e.sum()) @ vs)
 
 
 def test_grouped_matmul():
