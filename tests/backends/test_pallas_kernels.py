@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.protocol import BackendError, get_op, load_ops
+from backends.protocol import OP_SIGNATURES, BackendError, get_op, load_ops
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -171,11 +171,95 @@ def test_mamba2_scan_padding_rows_leave_the_state_right():
     _close(h, h_ref, 1e-5)
 
 
+# --- norms ---------------------------------------------------------------------------------
+
+
+# Leading dims flattened to rows that are not a multiple of the row tile; D = 80/96 (padded to
+# 128), D = 1, D = 8192 (a one-row tile); weights in the input dtype and in float32 (promotes).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 80), (2, 3, 96), (5, 1), (3, 8192), (1, 1, 128)])
+def test_rms_norm_matches_xla(shape, dtype):
+    rng = _rng(8, *shape)
+    x = jnp.asarray(rng.standard_normal(shape) * 3 + 0.5, dtype)
+    for w_dtype in (dtype, jnp.float32):
+        w = jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), w_dtype)
+        got = _jit("rms_norm", "pallas", (2,))(x, w, 1e-5)
+        ref = _jit("rms_norm", "xla", (2,))(x, w, 1e-5)
+        _finite(got)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        _close(got, ref, TOL[dtype])
+
+
+# Groups whose size is not a power of two (24, 80, 3), one group, many small groups.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "lead,inner,group", [((37,), 96, 24), ((2, 5), 160, 80), ((3,), 64, 64), ((4,), 12, 3)]
+)
+def test_gated_rms_norm_matches_xla(lead, inner, group, dtype):
+    rng = _rng(9, inner, group)
+    y = jnp.asarray(rng.standard_normal((*lead, inner)) * 2, dtype)
+    z = jnp.asarray(rng.standard_normal((*lead, inner)) * 2, dtype)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, inner), dtype)
+    got = _jit("gated_rms_norm", "pallas", (3, 4))(y, z, w, 1e-5, group)
+    ref = _jit("gated_rms_norm", "xla", (3, 4))(y, z, w, 1e-5, group)
+    _finite(got)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    _close(got, ref, TOL[dtype])
+
+
+def test_gated_rms_norm_rejects_a_bad_group_size():
+    y = jnp.ones((2, 12), jnp.float32)
+    with pytest.raises(ValueError, match="group_size"):
+        get_op("gated_rms_norm", "pallas")(y, y, jnp.ones(12), 1e-5, 5)
+
+
+# --- grouped matmul ------------------------------------------------------------------------
+
+
+# Experts with no rows (first, last, in the middle, all but one), M not a multiple of the row
+# tile, a row tile spanning many experts, Din/Dout not powers of two (80 -> 128, 200 -> 256,
+# Dout = 96 -> two column tiles of 64) and Din > the K tile (a loop over K).
+GMM_CASES = [
+    ((0, 5, 0, 0, 33, 0, 7, 0), 80, 96),
+    ((0, 0, 45, 0), 200, 24),
+    ((1,) * 20 + (17,), 24, 40),
+    ((3,), 16, 16),
+    ((50, 0, 13), 7, 130),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes,din,dout", GMM_CASES)
+def test_grouped_matmul_matches_xla(sizes, din, dout, dtype):
+    rng = _rng(10, len(sizes), din, dout)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_normal((int(sizes.sum()), din)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), din, dout)) / np.sqrt(din), dtype)
+    got = _jit("grouped_matmul", "pallas")(x, w, sizes)
+    ref = _jit("grouped_matmul", "xla")(x, w, sizes)
+    _finite(got)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    _close(got, ref, TOL[dtype])
+
+
+def test_grouped_matmul_rows_past_the_groups_are_zero():
+    # group_sizes sum to 30 < M = 41: ragged_dot leaves the last 11 rows zero.
+    rng = _rng(11)
+    sizes = jnp.asarray([10, 0, 20], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((41, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 24, 40)), jnp.float32)
+    got = _jit("grouped_matmul", "pallas")(x, w, sizes)
+    _finite(got)
+    _close(got, _jit("grouped_matmul", "xla")(x, w, sizes), 1e-5)
+    np.testing.assert_array_equal(np.asarray(got[30:]), 0.0)
+
+
 # --- GPU lowering ----------------------------------------------------------------------------
 
 S = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
-# Awkward shapes: widths 3 (state not a power of two), C = 70, T = 37/100, P = 6, Ns = 12.
+# Awkward shapes: widths 3 (state not a power of two), C = 70, T = 37/100, P = 6, Ns = 12,
+# D = 80/96, groups of 24, M = 5/100, Din = 24/200, Dout = 40/96.
 LOWERING_CASES = {
     "causal_conv1d": (
         lambda x, s, w, b, n: get_op("causal_conv1d", "pallas")(x, s, w, b, n, "silu"),
@@ -194,6 +278,22 @@ LOWERING_CASES = {
         lambda *args: get_op("mamba2_scan", "pallas")(*args, 64),
         (S((2, 100, 6, 64), BF), S((2, 100, 6), BF), S((6,), F32), S((2, 100, 1, 128), BF))
         + (S((2, 100, 1, 128), BF), S((6,), F32), S((2, 6, 64, 128), F32)),
+    ),
+    "rms_norm": (
+        lambda x, w: get_op("rms_norm", "pallas")(x, w, 1e-6),
+        (S((3, 37, 80), BF), S((80,), BF)),
+    ),
+    "gated_rms_norm": (
+        lambda y, z, w: get_op("gated_rms_norm", "pallas")(y, z, w, 1e-6, 24),
+        (S((37, 96), BF), S((37, 96), BF), S((96,), BF)),
+    ),
+    "grouped_matmul": (
+        lambda x, w, n: get_op("grouped_matmul", "pallas")(x, w, n),
+        (S((100, 200), BF), S((6, 200, 96), BF), S((6,), I32)),
+    ),
+    "grouped_matmul_f32": (
+        lambda x, w, n: get_op("grouped_matmul", "pallas")(x, w, n),
+        (S((5, 24), F32), S((3, 24, 40), F32), S((3,), I32)),
     ),
 }
 
@@ -220,8 +320,16 @@ def test_kernel_lowers_to_triton_for_gpu(op, monkeypatch):
 # --- registry --------------------------------------------------------------------------------
 
 
+def _has_pallas(op: str) -> bool:
+    try:
+        get_op(op, "pallas")
+    except BackendError:
+        return False
+    return True
+
+
 def test_load_ops_with_fallback_uses_the_pallas_kernels():
-    from backends.pallas import conv, ssd
+    from backends.pallas import conv, moe, norm, ssd
 
     ops = load_ops("pallas", fallback="xla")
     assert ops.backend == "pallas"
@@ -229,6 +337,12 @@ def test_load_ops_with_fallback_uses_the_pallas_kernels():
     assert ops.causal_conv1d_step is conv.causal_conv1d_step
     assert ops.mamba2_step is ssd.mamba2_step
     assert ops.mamba2_scan is ssd.mamba2_scan
-    assert ops.rms_norm is get_op("rms_norm", "xla")  # not a pallas kernel: the reference
-    with pytest.raises(BackendError, match="has no implementation of op 'rms_norm'"):
-        load_ops("pallas")
+    assert ops.rms_norm is norm.rms_norm
+    assert ops.gated_rms_norm is norm.gated_rms_norm
+    assert ops.grouped_matmul is moe.grouped_matmul
+    missing = [op for op in OP_SIGNATURES if not _has_pallas(op)]
+    for op in missing:  # not a pallas kernel: the reference, and load_ops("pallas") refuses
+        assert getattr(ops, op) is get_op(op, "xla")
+    if missing:
+        with pytest.raises(BackendError, match=f"has no implementation of op '{missing[0]}'"):
+            load_ops("pallas")

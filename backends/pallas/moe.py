@@ -1,0 +1,106 @@
+"""Grouped (ragged) matmul for mixture-of-experts layers as a Pallas kernel.
+
+Rows of x [M, Din] are sorted by expert: expert e owns rows [start_e, end_e), with
+end = cumsum(group_sizes) and start = end - group_sizes; then
+  out[r, :] = x[r, :] @ w[e(r)]        (zero for rows past sum(group_sizes), as ragged_dot)
+
+The wrapper computes each row's expert `e(r)` (a searchsorted of the row index in `end`, E for
+rows owned by no expert) and, per row tile of TM rows, the first and last expert it touches:
+e(first row) and e(last row), clipped to E - 1. Grid (row tile, output column tile of TN); each
+program loops over its experts (fori_loop with those bounds, so a tile visits only the experts
+whose rows it holds, and experts with no rows are skipped or masked to nothing) and, per
+expert, over Din in steps of TK:
+  acc += where(e(row) == e, x[rows, k:k+TK], 0) @ w[e, k:k+TK, cols]
+float32 accumulation (no TF32 for float32 inputs). The total work is about (M / TM + E)
+tile matmuls per column tile: linear in M.
+
+Triton on GPU: every load/store must be a power-of-two tile and tl.dot wants every dim >= 16,
+so TM, TN, TK are powers of two >= 16, and the wrapper pads M, Din and Dout to whole tiles
+(padded rows belong to no expert; padded Din columns are zero in x and w).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.protocol import register
+
+F32 = jnp.float32
+MIN_BLOCK = 16  # tl.dot: every dim >= 16
+MAX_BLOCK_M = 32
+MAX_BLOCK_N = 64
+MAX_BLOCK_K = 64
+
+
+def _block(n: int, cap: int) -> int:
+    return min(max(next_pow2(n), MIN_BLOCK), cap)
+
+
+def _gmm_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, o_ref, *, n_k, tk, precision):
+    row_expert = eid_ref[...]  # [TM]
+    acc0 = jnp.zeros(o_ref.shape, F32)
+
+    def expert(e, acc):
+        mine = (row_expert == e)[:, None]
+
+        def k_step(k, acc):
+            cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
+            xk = x_ref[:, cols]  # [TM, TK]
+            xk = jnp.where(mine, xk, jnp.zeros_like(xk))
+            wk = w_ref[e, cols, :]  # [TK, TN]
+            return acc + jax.lax.dot_general(
+                xk,
+                wk,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=F32,
+            )
+
+        return jax.lax.fori_loop(0, n_k, k_step, acc)
+
+    acc = jax.lax.fori_loop(first_ref[0], last_ref[0] + 1, expert, acc0)
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@register("grouped_matmul", "pallas")
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    m, din = x.shape
+    n_exp, _, dout = w.shape
+    dtype = jnp.result_type(x.dtype, w.dtype)
+    if m == 0 or dout == 0 or n_exp == 0:
+        return jnp.zeros((m, dout), dtype)
+    tm, tn, tk = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N), _block(din, MAX_BLOCK_K)
+    mp, np_, kp = round_up(m, tm), round_up(dout, tn), round_up(max(din, 1), tk)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    # Expert of each (padded) row: E for rows past sum(group_sizes), which no expert owns.
+    row_expert = jnp.searchsorted(ends, jnp.arange(mp, dtype=jnp.int32), side="right")
+    row_expert = row_expert.astype(jnp.int32)
+    tiles = row_expert.reshape(mp // tm, tm)
+    first = jnp.minimum(tiles[:, 0], n_exp - 1)
+    last = jnp.minimum(tiles[:, -1], n_exp - 1)
+    xs = pad_axis(pad_axis(x.astype(dtype), 0, mp), 1, kp)
+    ws = pad_axis(pad_axis(w.astype(dtype), 1, kp), 2, np_)
+    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
+    kernel = functools.partial(_gmm_kernel, n_k=kp // tk, tk=tk, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), dtype),
+        grid=(mp // tm, np_ // tn),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((tm,), lambda i, j: (i,)),
+            pl.BlockSpec((tm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((n_exp, kp, tn), lambda i, j: (0, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        interpret=interpret(),
+        compiler_params=triton_params(),
+        name="grouped_matmul",
+    )(first, last, row_expert, xs, ws)
+    return out[:m, :dout]
