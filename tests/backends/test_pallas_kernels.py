@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.protocol import OP_SIGNATURES, BackendError, get_op, load_ops
+from backends.protocol import OP_SIGNATURES, BackendError, RelativeBias, get_op, load_ops
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -290,6 +290,21 @@ LOWERING_CASES = {
     "grouped_matmul": (
         lambda x, w, n: get_op("grouped_matmul", "pallas")(x, w, n),
         (S((100, 200), BF), S((6, 200, 96), BF), S((6,), I32)),
+    ),
+    "paged_attention_decode": (
+        lambda q, kp, vp, t, p, n: get_op("paged_attention", "pallas")(
+            q, kp, vp, t, p, n, 0.1, None
+        ),
+        (S((5, 1, 8, 128), BF), S((40, 2, 16, 128), BF), S((40, 2, 16, 128), BF))
+        + (S((5, 7), I32), S((5, 1), I32), S((5,), I32)),
+    ),
+    "paged_attention_rel_window": (
+        lambda q, kp, vp, t, p, n, rq, rt: get_op("paged_attention", "pallas")(
+            q, kp, vp, t, p, n, 0.1, 48, rq, rt, RelativeBias(20, 8, 512)
+        ),
+        (S((2, 37, 4, 80), BF), S((40, 1, 32, 80), BF), S((40, 1, 32, 80), BF))
+        + (S((2, 7), I32), S((2, 37), I32), S((2,), I32), S((2, 37, 4, 24), BF))
+        + (S((20, 24), BF),),
     ),
     "grouped_matmul_f32": (
         lambda x, w, n: get_op("grouped_matmul", "pallas")(x, w, n),

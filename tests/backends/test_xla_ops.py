@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.protocol import BackendError, RelativeBias, get_op, load_ops
+from backends import protocol
+from backends.protocol import BackendError, RelativeBias, get_op, load_ops, register
 
 OPS = load_ops("xla")
 RNG = np.random.default_rng(0)
@@ -208,8 +209,13 @@ def test_norms(dtype, rel):
     _close(got, ref, rel)
 
 
-def test_unknown_backend_and_missing_op_raise_clearly():
+def test_unknown_backend_and_missing_op_raise_clearly(monkeypatch):
     with pytest.raises(BackendError, match="unknown backend 'cuda'"):
         load_ops("cuda")
+    with pytest.raises(BackendError, match="unknown op 'softmax'"):
+        register("softmax", "xla")
+    get_op("rms_norm", "pallas")  # imports the backend, then pretend it lacks the op
+    monkeypatch.delitem(protocol._REGISTRY, ("rms_norm", "pallas"))
     with pytest.raises(BackendError, match="has no implementation of op 'rms_norm'"):
-        get_op("rms_norm", "pallas")  # pallas has kernels for sconv and Mamba2 only
+        load_ops("pallas")
+    assert load_ops("pallas", fallback="xla").rms_norm is get_op("rms_norm", "xla")

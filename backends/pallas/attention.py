@@ -1,0 +1,214 @@
+"""Paged GQA attention with a learned relative-position bias, as one Pallas kernel for prefill
+chunks and decode tokens alike.
+
+Layout: the N/K query heads that share a kv head are folded into the rows of one matmul. For kv
+head k of batch row b, row `m = t * (N/K) + r` of the kernel's query matrix is token t's query
+head `k * (N/K) + r`, at position `pos[m] = q_positions[b, t]`. A decode step (T = 1) thus
+reads each kv head's pages once for all its query heads; a prefill chunk tiles its T * N/K rows.
+
+Grid: (batch row, kv head, row tile of `block_m` rows). Each program walks the row's key blocks
+of `block_k` tokens (`block_k / page` pages gathered through the block table) from the first
+key any of its rows may see (`min(pos) - window + 1`) to the last (`min(kv_len, max(pos) + 1)`),
+with the online softmax of flash attention:
+  `l = scale * q k^T + bias`,  `m' = max(m, rowmax l)`,
+  `acc' = exp(m - m') acc + exp(l - m') v`,  `s' = exp(m - m') s + rowsum exp(l - m')`,
+and writes `acc / s` (zeros for rows with no visible key). Keys outside `[lo, kv_len)` are
+zeroed before the matmuls (they may hold other layers' bytes, even NaNs); the visibility mask
+zeroes their probabilities.
+
+Relative bias ("sheared": never materialised): `bias[m, j] = rel_q[m] . table[bucket(pos[m] -
+j)]`. Within one tile the distances `pos[m] - j` span `[dmin, dmax]`, so only the buckets from
+`bucket(dmin)` to `bucket(dmax)` occur: the kernel loops over them, computes the column
+`rel_q . table[bucket]` ([block_m]) and adds it where the distance falls in that bucket's range.
+Far from the diagonal a tile spans one or two (log-spaced) buckets, so the bias costs a few
+vector ops per tile; only tiles near the diagonal loop over the exact buckets.
+
+Triton on GPU needs power-of-two tiles: pages (the kernel block) must be a power of two, and the
+wrapper pads the head dim (copying the cache when it is not a power of two, e.g. 80) and R.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.protocol import BackendError, RelativeBias, register
+
+F32 = jnp.float32
+NEG = -1e30  # masked logits: finite, so that exp(m - m') never sees inf - inf
+FAR = 2**30  # bucket start past every distance (padding buckets)
+
+
+def _dot(a: jax.Array, b: jax.Array, transpose_b: bool = False) -> jax.Array:
+    dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+    precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def _kernel(table_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, *refs, pages, scale, window, rel):
+    if rel:
+        rq_ref, emb_ref, bound_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
+    page = k_ref.shape[1]
+    block_k = pages * page
+    q = q_ref[...]
+    pos = pos_ref[...]  # [block_m]
+    kv_len = kv_len_ref[0]
+    p_min, p_max = jnp.min(pos), jnp.max(pos)
+    hi = jnp.minimum(kv_len, p_max + 1)
+    lo = jnp.zeros_like(hi) if window is None else jnp.maximum(p_min - window + 1, 0)
+    first, last = lo // block_k, (hi + block_k - 1) // block_k
+    if rel:
+        rq = rq_ref[...].astype(F32)  # [block_m, R]
+        bounds = bound_ref[...]  # [nb] bucket starts, padded with FAR
+
+    def bias_of(start, dist):
+        d_lo = jnp.maximum(p_min - (start + block_k - 1), 0)
+        d_hi = jnp.maximum(p_max - start, 0)
+        b_lo = jnp.sum((bounds <= d_lo).astype(jnp.int32)) - 1
+        b_hi = jnp.sum((bounds <= d_hi).astype(jnp.int32)) - 1
+
+        def add(b, bias):
+            lo_d = bound_ref[pl.ds(b, 1)].reshape(1, 1)
+            hi_d = bound_ref[pl.ds(b + 1, 1)].reshape(1, 1)
+            col = jnp.sum(rq * emb_ref[pl.ds(b, 1), :].astype(F32), axis=1)  # [block_m]
+            inside = (dist >= lo_d) & (dist < hi_d)
+            return bias + jnp.where(inside, col[:, None], 0.0)
+
+        return jax.lax.fori_loop(b_lo, b_hi + 1, add, jnp.zeros(dist.shape, F32))
+
+    def body(i, carry):
+        acc, m_i, s_i = carry
+        ids = table_ref[pl.ds(i * pages, pages)]
+        k = k_ref[ids].reshape(block_k, -1)
+        v = v_ref[ids].reshape(block_k, -1)
+        start = i * block_k
+        key = start + jnp.arange(block_k, dtype=jnp.int32)
+        live = (key >= lo) & (key < kv_len)
+        k = jnp.where(live[:, None], k, 0).astype(q.dtype)
+        v = jnp.where(live[:, None], v, 0).astype(q.dtype)
+        logits = _dot(q, k, transpose_b=True) * scale  # [block_m, block_k]
+        dist = pos[:, None] - key[None, :]
+        visible = live[None, :] & (dist >= 0)
+        if window is not None:
+            visible &= dist < window
+        if rel:
+            logits += bias_of(start, dist)
+        logits = jnp.where(visible, logits, NEG)
+        m_new = jnp.maximum(m_i, jnp.max(logits, axis=1))
+        corr = jnp.exp(m_i - m_new)
+        p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
+        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return acc, m_new, corr * s_i + jnp.sum(p, axis=1)
+
+    rows, width = q.shape
+    init = (jnp.zeros((rows, width), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
+    acc, _, s = jax.lax.fori_loop(first, last, body, init)
+    out = jnp.where(s[:, None] > 0, acc / jnp.where(s > 0, s, 1.0)[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def paged_attention_tiled(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    q_positions: jax.Array,
+    kv_lengths: jax.Array,
+    scale: float,
+    sliding_window: int | None,
+    rel_q: jax.Array | None = None,
+    rel_table: jax.Array | None = None,
+    rel_bias: RelativeBias | None = None,
+    *,
+    block_m: int = 64,
+    block_k: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """`paged_attention` with explicit tiles: `block_m` query rows (tokens x heads of a kv
+    group) and `block_k` keys per step (rounded to whole pages); the benchmark sweeps them."""
+    bsz, t, nq, hd = q.shape
+    _, nkv, page, _ = k_pages.shape
+    ratio = nq // nkv
+    interp = interpret()
+    if not interp and page & (page - 1):
+        raise BackendError(f"pallas paged_attention needs a power-of-two page, got {page}")
+    rows = t * ratio
+    bm = min(block_m, next_pow2(rows))
+    if not interp:
+        bm = max(bm, 16)  # tl.dot wants every dim >= 16
+    mp, hp = round_up(rows, bm), next_pow2(hd)
+    pages = max(1, block_k // page)
+    nblk = next_pow2(round_up(block_table.shape[1], pages))
+    table = pad_axis(block_table.astype(jnp.int32), 1, nblk)  # padding: page 0, never read
+
+    def fold(x: jax.Array, width: int) -> jax.Array:  # [B, T, N, X] -> [B, K, Mp, width]
+        x = x.reshape(bsz, t, nkv, ratio, -1).transpose(0, 2, 1, 3, 4).reshape(bsz, nkv, rows, -1)
+        return pad_axis(pad_axis(x, 2, mp), 3, width)
+
+    pos = jnp.repeat(q_positions.astype(jnp.int32), ratio, axis=1)
+    pos = jnp.pad(pos, ((0, 0), (0, mp - rows)), mode="edge")
+    k_p, v_p = pad_axis(k_pages, 3, hp), pad_axis(v_pages, 3, hp)
+    row_spec = lambda w: pl.BlockSpec((None, None, bm, w), lambda b, h, i: (b, h, i, 0))  # noqa: E731
+    page_spec = pl.BlockSpec((k_p.shape[0], None, page, hp), lambda b, h, i: (0, h, 0, 0))
+    in_specs = [
+        pl.BlockSpec((None, nblk), lambda b, h, i: (b, 0)),
+        pl.BlockSpec((1,), lambda b, h, i: (b,)),
+        pl.BlockSpec((None, bm), lambda b, h, i: (b, i)),
+        row_spec(hp),
+        page_spec,
+        page_spec,
+    ]
+    args = [table, kv_lengths.astype(jnp.int32), pos, fold(q, hp), k_p, v_p]
+    rel = rel_bias is not None
+    if rel:
+        rp = next_pow2(rel_q.shape[-1])
+        starts = rel_bias.boundaries()
+        nb = next_pow2(len(starts) + 1)
+        bounds = jnp.asarray(list(starts) + [FAR] * (nb - len(starts)), jnp.int32)
+        emb = pad_axis(pad_axis(rel_table, 1, rp), 0, nb)
+        in_specs += [
+            row_spec(rp),
+            pl.BlockSpec((nb, rp), lambda b, h, i: (0, 0)),
+            pl.BlockSpec((nb,), lambda b, h, i: (0,)),
+        ]
+        args += [fold(rel_q, rp), emb, bounds]
+    kernel = functools.partial(_kernel, pages=pages, scale=scale, window=sliding_window, rel=rel)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((bsz, nkv, mp, hp), q.dtype),
+        grid=(bsz, nkv, mp // bm),
+        in_specs=in_specs,
+        out_specs=row_spec(hp),
+        interpret=interp,
+        compiler_params=triton_params(num_warps, num_stages),
+        name="paged_attention",
+    )(*args)
+    out = out[:, :, :rows, :hd].reshape(bsz, nkv, t, ratio, hd).transpose(0, 2, 1, 3, 4)
+    return out.reshape(bsz, t, nq, hd)
+
+
+@register("paged_attention", "pallas")
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    q_positions: jax.Array,
+    kv_lengths: jax.Array,
+    scale: float,
+    sliding_window: int | None,
+    rel_q: jax.Array | None = None,
+    rel_table: jax.Array | None = None,
+    rel_bias: RelativeBias | None = None,
+) -> jax.Array:
+    return paged_attention_tiled(
+        q, k_pages, v_pages, block_table, q_positions, kv_lengths, scale, sliding_window,
+        rel_q, rel_table, rel_bias,
+    )  # fmt: skip
