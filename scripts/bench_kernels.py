@@ -1,0 +1,322 @@
+#!/usr/bin/env python
+"""Kernel benchmark for the GPU machine: ceilings first, then every op at realistic shapes.
+
+Ceilings (measured in the same run): device copy bandwidth (`y = x + c` over 2 GiB of bf16,
+bytes read + written) and bf16 matmul rate (8192^3). Then, bf16 unless stated:
+  * prefill attention, 8k tokens, 32 query / 8 KV heads, head dim 128, causal, pages of 16 and
+    64 tokens scattered through a block table: pallas with and without the relative bias, in
+    TFLOP/s (4 T^2/2 N H), against torch flash SDPA without bias on the same shape;
+  * paged decode attention, batch 64, context 8k, pages of 16: % of copy bandwidth over the
+    KV bytes; pallas tile variants and the xla reference;
+  * Mamba2 chunked scan, 128 heads x 64, state 128, one group: tokens/s per layer;
+  * sconv (causal depthwise conv, width 4, silu) over [8, 2048, 8448]: % of bandwidth;
+  * one-token Mamba2 state update and conv update at batch 256, RMSNorm, grouped matmul.
+Each time is the median of 5 timed loops of `--iters` calls (after a warmup call), the host
+waiting on the last result. Every pallas result is checked against the xla reference on the
+same random inputs first (relative L2 error printed). Prints a table; `--json` writes rows.
+
+    python scripts/bench_kernels.py --json $OUT/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from backends.pallas.attention import paged_attention_tiled
+from backends.protocol import RelativeBias, get_op
+
+BF = jnp.bfloat16
+ROWS: list[dict] = []
+SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
+
+
+def timed(fn: Callable, *args, iters: int = 20) -> float:
+    """Median seconds per call of a jitted fn (warmup first; loops of `iters` calls)."""
+    jax.block_until_ready(fn(*args))
+    loops = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        loops.append((time.perf_counter() - start) / iters)
+    return statistics.median(loops)
+
+
+def bind(op: str, backend: str, *tail) -> Callable:
+    """`backend`'s `op` with trailing static arguments bound, jitted."""
+    fn = get_op(op, backend)
+    return jax.jit(lambda *arrays: fn(*arrays, *tail))
+
+
+def rel_err(got, ref) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    if not np.isfinite(got).all():
+        return float("nan")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def row(section: str, variant: str, seconds: float, **extra) -> None:
+    ROWS.append({"section": section, "variant": variant, "ms": seconds * 1e3, **extra})
+    cols = " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
+    )
+    print(f"{section:<18} {variant:<34} {seconds * 1e3:9.3f} ms  {cols}", flush=True)
+
+
+def ceilings() -> tuple[float, float]:
+    x = jax.random.normal(jax.random.key(0), (2**30 // SMOKE,), BF)
+    c = jnp.asarray(1.0, BF)
+    t = timed(jax.jit(lambda x, c: x + c), x, c)
+    bandwidth = 2 * x.nbytes / t
+    row("ceiling", "copy y = x + c (2 GiB)", t, GBps=bandwidth / 1e9)
+    n = 8192 // SMOKE
+    a = jax.random.normal(jax.random.key(1), (n, n), BF)
+    b = jax.random.normal(jax.random.key(2), (n, n), BF)
+    t = timed(jax.jit(lambda a, b: a @ b), a, b)
+    flops = 2 * n**3 / t
+    row("ceiling", "bf16 matmul 8192^3", t, TFLOPs=flops / 1e12)
+    return bandwidth, flops
+
+
+def paged_inputs(rng, bsz, t, ctx, nq, nkv, hd, page, starts, dtype=BF):
+    """q for positions `starts + [0, t)`, a scattered cache holding `ctx` tokens per row."""
+    nblk = -(-ctx // page)
+    n_pages = bsz * nblk + 1
+    table = rng.permutation(np.arange(1, n_pages)).reshape(bsz, nblk).astype(np.int32)
+    k = jax.random.normal(jax.random.key(1), (n_pages, nkv, page, hd), dtype)
+    v = jax.random.normal(jax.random.key(2), (n_pages, nkv, page, hd), dtype)
+    q = jax.random.normal(jax.random.key(3), (bsz, t, nq, hd), dtype)
+    pos = jnp.asarray(np.asarray(starts)[:, None] + np.arange(t), jnp.int32)
+    kv_len = jnp.full((bsz,), ctx, jnp.int32)
+    return q, k, v, jnp.asarray(table), pos, kv_len
+
+
+def prefill(peak_flops: float, args: argparse.Namespace) -> None:
+    t, nq, nkv, hd, r = args.prefill_tokens, 32, 8, 128, 64
+    flops = 4 * t * t / 2 * nq * hd
+    spec = RelativeBias(num_buckets=32, num_exact=16, max_distance=4096)
+    rq = jax.random.normal(jax.random.key(4), (1, t, nq, r), BF) * 0.1
+    emb = jax.random.normal(jax.random.key(5), (32, r), BF)
+    scale = hd**-0.5
+    torch_tflops = torch_flash(t, nq, nkv, hd)
+    rng = np.random.default_rng(0)
+    for page in (16, 64):
+        q, k, v, table, pos, kv_len = paged_inputs(rng, 1, t, t, nq, nkv, hd, page, [0])
+        # correctness on a 1k prefix (the reference materialises [T, S] logits)
+        n = min(1024, t)
+        small = (q[:, :n], k, v, table, pos[:, :n], jnp.full((1,), n, jnp.int32))
+        ref = bind("paged_attention", "xla", scale, None, rq[:, :n], emb, spec)(*small)
+        for bm, bk, warps, stages in args.prefill_tiles:
+
+            def run(*a, bm=bm, bk=bk, w=warps, s=stages, bias=True):
+                *a, rel_q = a
+                extra = (rel_q, emb, spec) if bias else (None, None, None)
+                return paged_attention_tiled(
+                    *a, scale, None, *extra, block_m=bm, block_k=bk, num_warps=w, num_stages=s
+                )
+
+            name = f"page {page} m{bm} k{bk} w{warps} s{stages}"
+            try:
+                err = rel_err(jax.jit(run)(*small, rq[:, :n]), ref)
+                for bias in (True, False):
+                    f = jax.jit(lambda *a, f=run, b=bias: f(*a, bias=b))
+                    sec = timed(f, q, k, v, table, pos, kv_len, rq, iters=args.iters)
+                    tf = flops / sec / 1e12
+                    row("prefill attn", f"{name} {'bias' if bias else 'nobias'}", sec,
+                        TFLOPs=tf, of_peak=tf * 1e12 / peak_flops,
+                        vs_torch_flash=tf / torch_tflops if torch_tflops else float("nan"),
+                        rel_err=err)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001  (report and go on)
+                print(f"prefill attn {name}: FAILED {type(exc).__name__}: {exc}"[:400])
+
+
+def torch_flash(t: int, nq: int, nkv: int, hd: int) -> float:
+    """TFLOP/s of torch SDPA (flash backend) without bias, causal, on the same shape."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return 0.0
+    dev = "cuda"
+    q = torch.randn(1, nq, t, hd, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, nkv, t, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, nkv, t, hd, device=dev, dtype=torch.bfloat16)
+    flops = 4 * t * t / 2 * nq * hd
+    best = 0.0
+    for label, gqa in (("gqa", True), ("expanded kv", False)):
+        kk = k if gqa else k.repeat_interleave(nq // nkv, 1)
+        vv = v if gqa else v.repeat_interleave(nq // nkv, 1)
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                fn = functools.partial(
+                    F.scaled_dot_product_attention, q, kk, vv, is_causal=True, enable_gqa=gqa
+                )
+                fn()
+                torch.cuda.synchronize()
+                loops = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for _ in range(20):
+                        fn()
+                    torch.cuda.synchronize()
+                    loops.append((time.perf_counter() - start) / 20)
+            sec = statistics.median(loops)
+            row("prefill attn", f"torch flash SDPA {label}", sec, TFLOPs=flops / sec / 1e12)
+            best = max(best, flops / sec / 1e12)
+        except Exception as exc:  # noqa: BLE001
+            print(f"torch flash {label}: FAILED {type(exc).__name__}: {exc}"[:300])
+    return best
+
+
+def decode(bandwidth: float, args: argparse.Namespace) -> None:
+    bsz, ctx, nq, nkv, hd, page = 64, args.decode_context, 32, 8, 128, 16
+    rng = np.random.default_rng(1)
+    q, k, v, table, pos, kv_len = paged_inputs(rng, bsz, 1, ctx, nq, nkv, hd, page, [ctx - 1] * bsz)
+    kv_bytes = 2 * bsz * ctx * nkv * hd * 2
+    scale = hd**-0.5
+    ref_fn = jax.jit(lambda *a: get_op("paged_attention", "xla")(*a, scale, None))
+    ref = ref_fn(q, k, v, table, pos, kv_len)
+    sec = timed(ref_fn, q, k, v, table, pos, kv_len, iters=args.iters)
+    row("decode attn", "xla reference", sec, of_bandwidth=kv_bytes / sec / bandwidth)
+    for bk, warps, stages in args.decode_tiles:
+        fn = jax.jit(lambda *a, bk=bk, w=warps, s=stages: paged_attention_tiled(
+            *a, scale, None, block_m=16, block_k=bk, num_warps=w, num_stages=s))  # fmt: skip
+        try:
+            err = rel_err(fn(q, k, v, table, pos, kv_len), ref)
+            sec = timed(fn, q, k, v, table, pos, kv_len, iters=args.iters)
+            row("decode attn", f"pallas k{bk} w{warps} s{stages}", sec,
+                GBps=kv_bytes / sec / 1e9, of_bandwidth=kv_bytes / sec / bandwidth,
+                rel_err=err)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            print(f"decode attn k{bk}: FAILED {type(exc).__name__}: {exc}"[:400])
+
+
+def ssm(bandwidth: float, args: argparse.Namespace) -> None:
+    nh, p, ns = 128, 64, 128
+    a = -jnp.exp(jax.random.normal(jax.random.key(6), (nh,), jnp.float32))
+    d = jax.random.normal(jax.random.key(7), (nh,), jnp.float32)
+    for bsz, t in ((1, 16384 // SMOKE), (8, 4096 // SMOKE)):
+        keys = jax.random.split(jax.random.key(8), 5)
+        x = jax.random.normal(keys[0], (bsz, t, nh, p), BF)
+        dt = jax.nn.softplus(jax.random.normal(keys[1], (bsz, t, nh), jnp.float32) - 2).astype(BF)
+        b = jax.random.normal(keys[2], (bsz, t, 1, ns), BF)
+        c = jax.random.normal(keys[3], (bsz, t, 1, ns), BF)
+        h0 = jax.random.normal(keys[4], (bsz, nh, p, ns), jnp.float32)
+        ops = (x, dt, a, b, c, d, h0)
+        ref = None
+        for backend in ("xla", "pallas"):
+            for chunk in (64, 128) if backend == "pallas" else (128,):
+                fn = bind("mamba2_scan", backend, chunk)
+                try:
+                    out = fn(*ops)
+                    ref = out if backend == "xla" else ref
+                    err = rel_err(out[0], ref[0]) if backend == "pallas" else 0.0
+                    sec = timed(fn, *ops, iters=args.iters)
+                    row("mamba2 scan", f"{backend} B{bsz} T{t} chunk {chunk}", sec,
+                        tok_per_s=bsz * t / sec, rel_err=err)  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    print(
+                        f"mamba2 scan {backend} {chunk}: FAILED {type(exc).__name__}: {exc}"[:400]
+                    )
+    bsz = 256  # one decode step
+    keys = jax.random.split(jax.random.key(9), 5)
+    state = jax.random.normal(keys[0], (bsz, nh, p, ns), jnp.float32)
+    xs = jax.random.normal(keys[1], (bsz, nh, p), BF)
+    dts = jax.nn.softplus(jax.random.normal(keys[2], (bsz, nh), BF))
+    bs, cs = (jax.random.normal(k, (bsz, 1, ns), BF) for k in keys[3:5])
+    step = (state, xs, dts, a, bs, cs, d)
+    moved = 2 * state.nbytes
+    for backend in ("xla", "pallas"):
+        fn = jax.jit(get_op("mamba2_step", backend))
+        sec = timed(fn, *step, iters=args.iters)
+        row("mamba2 step", f"{backend} B{bsz}", sec, of_bandwidth=moved / sec / bandwidth)
+
+
+def conv(bandwidth: float, args: argparse.Namespace) -> None:
+    bsz, t, ch, width = 8, 2048 // SMOKE, 8448, 4
+    keys = jax.random.split(jax.random.key(10), 4)
+    x = jax.random.normal(keys[0], (bsz, t, ch), BF)
+    state = jax.random.normal(keys[1], (bsz, ch, width - 1), BF)
+    w = jax.random.normal(keys[2], (ch, width), BF)
+    bias = jax.random.normal(keys[3], (ch,), BF)
+    lengths = jnp.full((bsz,), t, jnp.int32)
+    moved = 2 * x.nbytes
+    outs = {}
+    for backend in ("xla", "pallas"):
+        fn = bind("causal_conv1d", backend, "silu")
+        outs[backend] = fn(x, state, w, bias, lengths)
+        sec = timed(fn, x, state, w, bias, lengths, iters=args.iters)
+        err = rel_err(outs[backend][0], outs["xla"][0])
+        row("sconv", f"{backend} [{bsz},{t},{ch}] w{width}", sec,
+            GBps=moved / sec / 1e9, of_bandwidth=moved / sec / bandwidth, rel_err=err)  # fmt: skip
+    bsz = 256
+    xs, st = x[:, 0].repeat(32, 0)[:bsz], state.repeat(32, 0)[:bsz]
+    for backend in ("xla", "pallas"):
+        fn = bind("causal_conv1d_step", backend, "silu")
+        sec = timed(fn, xs, st, w, bias, iters=args.iters)
+        row("sconv step", f"{backend} B{bsz}", sec, of_bandwidth=2 * st.nbytes / sec / bandwidth)
+
+
+def misc(bandwidth: float, args: argparse.Namespace) -> None:
+    x = jax.random.normal(jax.random.key(11), (16384 // SMOKE, 4096), BF)
+    wt = jax.random.normal(jax.random.key(12), (4096,), BF)
+    for backend in ("xla", "pallas"):
+        fn = bind("rms_norm", backend, 1e-5)
+        sec = timed(fn, x, wt, iters=args.iters)
+        row(
+            "rms_norm", f"{backend} [16384, 4096]", sec, of_bandwidth=2 * x.nbytes / sec / bandwidth
+        )
+    sizes = jnp.asarray(np.random.default_rng(3).multinomial(8192, np.ones(64) / 64), jnp.int32)
+    xm = jax.random.normal(jax.random.key(13), (8192, 2048), BF)
+    wm = jax.random.normal(jax.random.key(14), (64, 2048, 1408), BF)
+    for backend in ("xla", "pallas"):
+        fn = jax.jit(get_op("grouped_matmul", backend))
+        sec = timed(fn, xm, wm, sizes, iters=args.iters)
+        row("grouped matmul", f"{backend} 8192x2048->1408 E64", sec,
+            TFLOPs=2 * 8192 * 2048 * 1408 / sec / 1e12)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20, help="calls per timed loop")
+    parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--only", nargs="*", default=["prefill", "decode", "ssm", "conv", "misc"])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script")
+    args = parser.parse_args()
+    if args.smoke:
+        global SMOKE
+        SMOKE, args.iters = 64, 1
+        args.prefill_tokens, args.decode_context = 256, 256
+    args.prefill_tiles = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3)]
+    args.decode_tiles = [(64, 4, 2), (128, 4, 2), (256, 8, 2), (128, 4, 3)]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    bandwidth, flops = ceilings()
+    sections = {"prefill": lambda: prefill(flops, args), "decode": lambda: decode(bandwidth, args),
+                "ssm": lambda: ssm(bandwidth, args), "conv": lambda: conv(bandwidth, args),
+                "misc": lambda: misc(bandwidth, args)}  # fmt: skip
+    for name in args.only:
+        try:
+            sections[name]()
+        except Exception as exc:  # noqa: BLE001
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}"[:600], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": ROWS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
