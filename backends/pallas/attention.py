@@ -9,7 +9,8 @@ reads each kv head's pages once for all its query heads; a prefill chunk tiles i
 Grid: (batch row, kv head, row tile of `block_m` rows). Each program walks the row's key blocks
 of `block_k` tokens (`block_k / page` pages gathered through the block table) from the first
 key any of its rows may see (`min(pos) - window + 1`) to the last (`min(kv_len, max(pos) + 1)`),
-with the online softmax of flash attention:
+with the online softmax of flash attention (without a window, the blocks whose keys every row
+sees, `j < min(min(pos) + 1, kv_len)`, skip the masks):
   `l = scale * q k^T + bias`,  `m' = max(m, rowmax l)`,
   `acc' = exp(m - m') acc + exp(l - m') v`,  `s' = exp(m - m') s + rowsum exp(l - m')`,
 and writes `acc / s` (zeros for rows with no visible key). Keys outside `[lo, kv_len)` are
@@ -82,32 +83,44 @@ def _kernel(table_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, *refs, pages, s
 
         return jax.lax.fori_loop(b_lo, b_hi + 1, add, jnp.zeros(dist.shape, F32))
 
-    def body(i, carry):
+    def body(i, carry, masked=True):
         acc, m_i, s_i = carry
-        ids = table_ref[pl.ds(i * pages, pages)]
-        k = k_ref[ids].reshape(block_k, -1)
-        v = v_ref[ids].reshape(block_k, -1)
+        if pages == 1:  # one page per key block: a plain (pipelinable) block load
+            page_id = table_ref[i]
+            k, v = k_ref[page_id], v_ref[page_id]
+        else:
+            ids = table_ref[pl.ds(i * pages, pages)]
+            k = k_ref[ids].reshape(block_k, -1)
+            v = v_ref[ids].reshape(block_k, -1)
         start = i * block_k
         key = start + jnp.arange(block_k, dtype=jnp.int32)
-        live = (key >= lo) & (key < kv_len)
-        k = jnp.where(live[:, None], k, 0).astype(q.dtype)
-        v = jnp.where(live[:, None], v, 0).astype(q.dtype)
-        logits = _dot(q, k, transpose_b=True) * scale  # [block_m, block_k]
         dist = pos[:, None] - key[None, :]
-        visible = live[None, :] & (dist >= 0)
-        if window is not None:
-            visible &= dist < window
+        if masked:
+            live = (key >= lo) & (key < kv_len)
+            k = jnp.where(live[:, None], k, 0)
+            v = jnp.where(live[:, None], v, 0)
+        logits = _dot(q, k.astype(q.dtype), transpose_b=True) * scale  # [block_m, block_k]
         if rel:
             logits += bias_of(start, dist)
-        logits = jnp.where(visible, logits, NEG)
+        if masked:
+            visible = live[None, :] & (dist >= 0)
+            if window is not None:
+                visible &= dist < window
+            logits = jnp.where(visible, logits, NEG)
         m_new = jnp.maximum(m_i, jnp.max(logits, axis=1))
         corr = jnp.exp(m_i - m_new)
-        p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
-        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v)
+        p = jnp.exp(logits - m_new[:, None])
+        if masked:
+            p = jnp.where(visible, p, 0.0)
+        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v.astype(q.dtype))
         return acc, m_new, corr * s_i + jnp.sum(p, axis=1)
 
     rows, width = q.shape
     init = (jnp.zeros((rows, width), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
+    if window is None:  # blocks every row sees whole (keys <= min(pos), < kv_len): no masks
+        inner = jnp.clip(jnp.minimum(p_min + 1, kv_len) // block_k, first, last)
+        init = jax.lax.fori_loop(first, inner, functools.partial(body, masked=False), init)
+        first = inner
     acc, _, s = jax.lax.fori_loop(first, last, body, init)
     out = jnp.where(s[:, None] > 0, acc / jnp.where(s > 0, s, 1.0)[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)

@@ -7,12 +7,20 @@ is float32 throughout.
 `mamba2_step`: each program loads its head's state [P, Ns], x [P], b and c [Ns] and the scalars
 dt, a, d, and writes y [P] and the new state.
 
-`mamba2_scan` (first version): each program loops over the chunks of its (row, head) in order,
-keeping the running state in registers. Per chunk of L tokens, with `cum` the inclusive cumsum
-of `dt * a` (computed as a masked row sum, no scan primitive):
-  y     = ((c b^T) * exp(cum_i - cum_j) [j <= i] * dt_j) x  +  exp(cum) * (c h^T)  +  d x
-  h_new = exp(cum_L) h + (x * exp(cum_L - cum) dt)^T b
-The matmuls are `dot_general`s of power-of-two tiles (L, P, Ns >= 16 on GPU for tensor cores).
+`mamba2_scan`, in two parallel phases over chunks of L tokens (L = min(chunk_size, 128): the
+result does not depend on it beyond rounding). With `cum` the inclusive cumsum of `dt * a`
+within each chunk (computed in XLA, like the padding):
+  phase 1, grid (row, chunk, head), all independent: the chunk's own output and its state
+    contribution from a zero state,
+      y_c = ((c b^T) * exp(cum_i - cum_j) [j <= i] * dt_j) x + d x
+      S_c = (x * exp(cum_L - cum) dt)^T b                              ([P, Ns], float32);
+  phase 2, grid (row, head, slice of P), sequential over chunks with the state in registers:
+      y_c += exp(cum) * (c h^T),   h <- exp(cum_L) h + S_c,
+    writing y over phase 1's output in place and the final state at the end.
+bfloat16 inputs use the tensor cores (bf16 operands, float32 accumulation; the [L, L] scores and
+the carried state are rounded to bf16 only as matmul operands); float32 inputs multiply in full
+float32 (no TF32). HBM traffic: x, b, c and y about twice, plus the chunk states S (written and
+read once, float32: B * Hs * T / L * P * Ns * 4 bytes each way).
 
 Triton on GPU: every load/store must be a power-of-two tile, so the wrapper pads P and Ns to
 powers of two and T to whole chunks (padding tokens carry dt = 0 and x = 0, which leaves the
@@ -34,13 +42,15 @@ F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _dot(lhs: jax.Array, rhs: jax.Array, lhs_contract: int, rhs_contract: int) -> jax.Array:
-    """2-D matmul contracting the given axes, float32 accumulation, no TF32."""
+def _dot(
+    lhs: jax.Array, rhs: jax.Array, lhs_contract: int, rhs_contract: int, precision=HIGHEST
+) -> jax.Array:
+    """2-D matmul contracting the given axes, float32 accumulation (no TF32 when HIGHEST)."""
     return jax.lax.dot_general(
         lhs,
         rhs,
         (((lhs_contract,), (rhs_contract,)), ((), ())),
-        precision=HIGHEST,
+        precision=precision,
         preferred_element_type=F32,
     )
 
@@ -99,32 +109,41 @@ def mamba2_step(
     return y[:, :, :p], new_state[:, :, :p, :ns]
 
 
-def _scan_kernel(
-    x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, h0_ref, y_ref, hf_ref, *, n_chunks, length
-):
-    a = a_ref[0].astype(F32)
-    d = d_ref[0].astype(F32)
-    pos = jnp.arange(length, dtype=jnp.int32)
-    causal = pos[:, None] >= pos[None, :]  # [i, j]: j <= i
+def _chunk_kernel(x_ref, dt_ref, cum_ref, last_ref, b_ref, c_ref, d_ref, y_ref, s_ref):
+    """Phase 1, one (row, chunk, head): the chunk's own output and its state contribution."""
+    x = x_ref[...]  # [L, P]
+    prec = HIGHEST if x.dtype == F32 else None
+    dt = dt_ref[...].astype(F32)  # [L]
+    cum = cum_ref[...]  # [L] inclusive cumsum of dt * a within the chunk
+    b, c = b_ref[...], c_ref[...]  # [L, Ns]
+    pos = jnp.arange(x.shape[0], dtype=jnp.int32)
+    causal = pos[:, None] >= pos[None, :]
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    scores = _dot(c, b, 1, 1, prec) * decay * dt[None, :]  # [L, L]
+    y = _dot(scores.astype(x.dtype), x, 1, 0, prec) + d_ref[0].astype(F32) * x.astype(F32)
+    y_ref[...] = y.astype(y_ref.dtype)
+    weights = jnp.exp(last_ref[...] - cum) * dt  # [L]: decay from token to chunk end
+    s_ref[...] = _dot((x.astype(F32) * weights[:, None]).astype(x.dtype), b, 0, 0, prec)
+
+
+def _pass_kernel(c_ref, cum_ref, last_ref, s_ref, h0_ref, yd_ref, y_ref, hf_ref, *, length):
+    """Phase 2, one (row, head, slice of P): carry the state through the chunks in order,
+    adding each chunk's inflow `exp(cum) (c h^T)` to its output."""
+    n_chunks = s_ref.shape[0]
 
     def chunk(k, h):
         rows = pl.ds(pl.multiple_of(k * length, length), length)
-        xc = x_ref[rows, :].astype(F32)  # [len, P]
-        dtc = dt_ref[rows].astype(F32)  # [len]
-        bc = b_ref[rows, :].astype(F32)  # [len, Ns]
-        cc = c_ref[rows, :].astype(F32)
-        la = dtc * a
-        cum = jnp.sum(jnp.where(causal, la[None, :], 0.0), axis=1)  # inclusive cumsum
-        total = jnp.sum(la)
-        seg = cum[:, None] - cum[None, :]
-        decay = jnp.where(causal, jnp.exp(jnp.where(causal, seg, 0.0)), 0.0)
-        scores = _dot(cc, bc, 1, 1) * decay * dtc[None, :]  # [len, len]
-        y = _dot(scores, xc, 1, 0) + jnp.exp(cum)[:, None] * _dot(cc, h, 1, 1) + d * xc
-        y_ref[rows, :] = y.astype(y_ref.dtype)
-        weights = jnp.exp(total - cum) * dtc  # [len]
-        return jnp.exp(total) * h + _dot(xc * weights[:, None], bc, 0, 0)  # [P, Ns]
+        cc = c_ref[rows, :]  # [L, Ns]
+        prec = HIGHEST if cc.dtype == F32 else None
+        inflow = jnp.exp(cum_ref[rows])[:, None] * _dot(cc, h.astype(cc.dtype), 1, 1, prec)
+        y_ref[rows, :] = (yd_ref[rows, :].astype(F32) + inflow).astype(y_ref.dtype)
+        decay = jnp.exp(last_ref[pl.ds(k, 1)]).reshape(1, 1)
+        return decay * h + s_ref[pl.ds(k, 1), :, :].reshape(h.shape)
 
     hf_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, h0_ref[...].astype(F32))
+
+
+MAX_CHUNK = 128  # the kernels' own chunk length cap ([L, L] scores stay in registers)
 
 
 @register("mamba2_scan", "pallas")
@@ -138,43 +157,92 @@ def mamba2_scan(
     initial_state: jax.Array,
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
+    return mamba2_scan_tiled(x, dt, a, b, c, d, initial_state, chunk_size)
+
+
+def mamba2_scan_tiled(
+    x: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    d: jax.Array,
+    initial_state: jax.Array,
+    chunk_size: int,
+    *,
+    block_p: int = 16,
+    num_warps: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`mamba2_scan` with an explicit P slice per phase-2 program (the benchmark sweeps it)."""
     bsz, t, nh, p = x.shape
     groups, ns = b.shape[2], b.shape[3]
     rep = nh // groups
     interp = interpret()
-    length = next_pow2(min(chunk_size, t))
+    length = min(next_pow2(min(chunk_size, t)), MAX_CHUNK)
     if not interp:
         length = max(length, 16)  # Triton's tl.dot wants every dim >= 16
     tp, pp, nsp = round_up(t, length), next_pow2(p), next_pow2(ns)
+    nc = tp // length
+    bp = min(pp, max(block_p, 1 if interp else 16))
     # Padding tokens carry dt = 0 and x = 0: the state passes through them unchanged.
     xs = pad_axis(pad_axis(x, 1, tp), 3, pp)
     dts = pad_axis(dt, 1, tp)
     bs = pad_axis(pad_axis(b, 1, tp), 3, nsp)
     cs = pad_axis(pad_axis(c, 1, tp), 3, nsp)
     h0 = pad_axis(pad_axis(initial_state.astype(F32), 2, pp), 3, nsp)
-    kernel = functools.partial(_scan_kernel, n_chunks=tp // length, length=length)
+    dta = (dts.astype(F32) * a.astype(F32)).reshape(bsz, nc, length, nh)
+    cum = jnp.cumsum(dta, axis=2)  # [B, nc, L, Hs]
+    last = cum[:, :, -1, :]  # [B, nc, Hs]
+    cum = cum.reshape(bsz, tp, nh)
+    tok = lambda w: pl.BlockSpec((None, length, None, w), lambda i, k, h: (i, k, h, 0))  # noqa: E731
+    grp = pl.BlockSpec((None, length, None, nsp), lambda i, k, h: (i, k, h // rep, 0))
+    vec = pl.BlockSpec((None, length, None), lambda i, k, h: (i, k, h))
+    y_diag, states = pl.pallas_call(
+        _chunk_kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((bsz, tp, nh, pp), x.dtype),
+            jax.ShapeDtypeStruct((bsz, nh, nc, pp, nsp), F32),
+        ),
+        grid=(bsz, nc, nh),
+        in_specs=[
+            tok(pp),
+            vec,
+            vec,
+            pl.BlockSpec((None, None, 1), lambda i, k, h: (i, k, h)),
+            grp,
+            grp,
+            pl.BlockSpec((1,), lambda i, k, h: (h,)),
+        ],
+        out_specs=(
+            tok(pp),
+            pl.BlockSpec((None, None, None, pp, nsp), lambda i, k, h: (i, h, k, 0, 0)),
+        ),
+        interpret=interp,
+        compiler_params=triton_params(num_warps or (8 if length >= 128 else 4)),
+        name="mamba2_chunks",
+    )(xs, dts, cum, last, bs, cs, d)
     y, final = pl.pallas_call(
-        kernel,
+        functools.partial(_pass_kernel, length=length),
         out_shape=(
             jax.ShapeDtypeStruct((bsz, tp, nh, pp), x.dtype),
             jax.ShapeDtypeStruct((bsz, nh, pp, nsp), F32),
         ),
-        grid=(bsz, nh),
+        grid=(bsz, nh, pp // bp),
         in_specs=[
-            pl.BlockSpec((None, tp, None, pp), lambda i, h: (i, 0, h, 0)),
-            pl.BlockSpec((None, tp, None), lambda i, h: (i, 0, h)),
-            pl.BlockSpec((1,), lambda i, h: (h,)),
-            pl.BlockSpec((None, tp, None, nsp), lambda i, h: (i, 0, h // rep, 0)),
-            pl.BlockSpec((None, tp, None, nsp), lambda i, h: (i, 0, h // rep, 0)),
-            pl.BlockSpec((1,), lambda i, h: (h,)),
-            pl.BlockSpec((None, None, pp, nsp), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, tp, None, nsp), lambda i, h, j: (i, 0, h // rep, 0)),
+            pl.BlockSpec((None, tp, None), lambda i, h, j: (i, 0, h)),
+            pl.BlockSpec((None, nc, None), lambda i, h, j: (i, 0, h)),
+            pl.BlockSpec((None, None, nc, bp, nsp), lambda i, h, j: (i, h, 0, j, 0)),
+            pl.BlockSpec((None, None, bp, nsp), lambda i, h, j: (i, h, j, 0)),
+            pl.BlockSpec((None, tp, None, bp), lambda i, h, j: (i, 0, h, j)),
         ],
         out_specs=(
-            pl.BlockSpec((None, tp, None, pp), lambda i, h: (i, 0, h, 0)),
-            pl.BlockSpec((None, None, pp, nsp), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, tp, None, bp), lambda i, h, j: (i, 0, h, j)),
+            pl.BlockSpec((None, None, bp, nsp), lambda i, h, j: (i, h, j, 0)),
         ),
+        input_output_aliases={5: 0},  # y is written over the chunk outputs, in place
         interpret=interp,
         compiler_params=triton_params(),
-        name="mamba2_scan",
-    )(xs, dts, a, bs, cs, d, h0)
+        name="mamba2_state_pass",
+    )(cs, cum, last, states, h0, y_diag)
     return y[:, :t, :, :p], final[:, :, :p, :ns]
