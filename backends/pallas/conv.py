@@ -1,15 +1,31 @@
-"""Causal depthwise conv1d ("sconv", width <= 4) as Pallas kernels.
+"""Causal depthwise conv1d ("sconv", width W <= 4) as Pallas kernels, written for bandwidth.
 
-Chunk kernel: grid (batch row, channel block). The wrapper lays out, per row, the W-1 carried
-inputs followed by the chunk (`u`, time-major, zero-padded to whole time tiles) so that every
-load is an in-bounds power-of-two tile; each program loops over time tiles of BT rows, loads
-the W shifted [BT, BC] windows of its channel block, and writes y and the new state (the W-1
-inputs ending at the row's last valid token, read with a dynamic offset).
+Chunk kernel: grid (batch row b, time tile i, channel block j) of independent programs; x is
+read in place (no concatenation or padding pass in XLA) and y written straight into its
+[B, T, C] result (no pad, no slice). Program (b, i, j) computes y[b, t0 : t0+BT, c0 : c0+BC]
+(t0 = i*BT, c0 = j*BC) from W loads of shifted [BT, BC] windows, window s holding the inputs at
+rows t - s (times tap W-1-s), accumulated in float32 in the reference's order, then the bias and
+the activation. A `cond` on the tile picks how the windows are read:
+- tiles after the first (t0 >= BT >= W-1): plain windows x[t0 - s : t0 - s + BT];
+- the first tile: a row gather with clamped row indices, rows t - s < 0 coming from the carried
+  state (channel-major [B, C, W-1], column W-1 + t - s) through a complementary masked load, in
+  x's dtype, as the reference forms u = [state, x].
+The W-1 rows a window reads before its tile are also read by the previous tile's program; they
+come from cache, so HBM traffic is one read of x and one write of y. Ragged edges (T not a
+multiple of BT, C not a multiple of BC) are handled by masked loads/stores; aligned shapes get
+no masks.
 
-Step kernel: same grid; loads the DS state columns and x, writes y and the shifted state.
+New state: the programs of time tile 0 also write new_state[b, c0 : c0+BC, :], the W-1 raw
+inputs u[len : len + W-1] ending at the row's last valid token (len clamped to [0, T]): a
+u-position p < W-1 is the old state's column p (so lengths < W-1, and 0, keep part or all of
+the old state), else x row p - (W-1). One masked [BC] load and store per state column.
 
-On GPU (Triton) every load/store must be a power-of-two tile: BT and BC are powers of two and
-the wrapper pads channels and time; block shapes themselves may be arbitrary.
+Step kernel: grid (batch row, channel block); loads the DS state columns and x, writes y and the
+shifted state.
+
+On GPU (Triton) every load/store must be a power-of-two tile: BT and BC are powers of two, and
+so are the [BT, BC] windows and [BC] columns; block shapes themselves may be arbitrary (x is
+passed as a (T, BC) block, the state as (BC, W-1), the weight as (BC, W), all indexed inside).
 """
 
 from __future__ import annotations
@@ -19,12 +35,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
 
-MAX_BLOCK_C = 64
-MAX_BLOCK_T = 32
+F32 = jnp.float32
+BLOCK_T = 64  # chunk kernel: time rows per program
+BLOCK_C = 128  # chunk kernel: channels per program
+MAX_BLOCK_C = 64  # step kernel: channels per program
 
 
 def _activate(y: jax.Array, activation: str | None) -> jax.Array:
@@ -43,23 +62,80 @@ def _check(weight: jax.Array, activation: str | None) -> int:
     return width
 
 
-def _conv_kernel(len_ref, u_ref, w_ref, b_ref, y_ref, s_ref, *, width, n_tiles, bt, activation):
-    w = [w_ref[k, :].astype(jnp.float32) for k in range(width)]  # each [BC]
-    bias = b_ref[0, :].astype(jnp.float32)
+def _all(*masks):
+    """The conjunction of the masks that are not None (None when all are)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
 
-    def tile(i, carry):
-        t0 = pl.multiple_of(i * bt, bt)
-        acc = bias[None, :] + jnp.zeros((bt, bias.shape[0]), jnp.float32)
-        for k in range(width):
-            acc = acc + u_ref[pl.ds(t0 + k, bt), :].astype(jnp.float32) * w[k][None, :]
-        y_ref[pl.ds(t0, bt), :] = _activate(acc, activation).astype(y_ref.dtype)
-        return carry
 
-    jax.lax.fori_loop(0, n_tiles, tile, 0)
-    # New state: u[len : len + W-1], the W-1 inputs ending at the last valid token.
-    length = len_ref[0]
-    for j in range(width - 1):
-        s_ref[pl.ds(j, 1), :] = u_ref[pl.ds(length + j, 1), :].astype(s_ref.dtype)
+def _load(ref, idx, mask):
+    return ref[idx] if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
+
+
+def _conv_kernel(len_ref, x_ref, s_ref, w_ref, *refs, width, t, ch, bt, bc, activation):
+    *b_ref, y_ref, ns_ref = refs
+    i, j = pl.program_id(1), pl.program_id(2)
+    dtype = x_ref.dtype
+    cols = jax.lax.broadcasted_iota(jnp.int32, (bc,), 0)  # channel within the block
+    col_ok = (j * bc + cols < ch) if ch % bc else None  # [BC], ragged last channel block
+    rows = i * bt + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)  # time of each output row
+    row_ok = (rows < t)[:, None] if t % bt else None  # [BT, 1], ragged last time tile
+    col_ok2 = None if col_ok is None else col_ok[None, :]
+    # taps[s] multiplies window s, the inputs at t - s.
+    taps = [_load(w_ref, (cols, width - 1 - s), col_ok).astype(F32)[None, :] for s in range(width)]
+
+    def window(s: int, first: bool) -> jax.Array:
+        """[BT, BC] inputs at rows t - s, in x's dtype."""
+        if s == 0 or not first:  # inside x (tiles after the first start at t0 >= BT >= W-1)
+            return _load(x_ref, (pl.ds(i * bt - s, bt), pl.ds(0, bc)), _all(row_ok, col_ok2))
+        # First tile: a row gather with clamped indices; rows before the chunk come from the
+        # state (column W-1 + t - s) through the complementary mask.
+        src = rows - s
+        in_x = (src >= 0)[:, None]
+        xi = jnp.clip(src, 0, t - 1)[:, None]
+        win = plgpu.load(x_ref.at[xi, cols[None, :]], mask=_all(in_x, row_ok, col_ok2), other=0)
+        si = jnp.clip(src + (width - 1), 0, width - 2)[:, None]
+        old = plgpu.load(s_ref.at[cols[None, :], si], mask=_all(~in_x, col_ok2), other=0)
+        return jnp.where(in_x, win, old.astype(dtype))
+
+    def accumulate(first: bool) -> jax.Array:
+        acc = jnp.zeros((bt, bc), F32)
+        for s in reversed(range(width)):  # oldest input first, as the reference sums
+            acc = acc + window(s, first).astype(F32) * taps[s]
+        if b_ref:
+            acc = acc + _load(b_ref[0], (pl.ds(0, bc),), col_ok).astype(F32)[None, :]
+        return acc
+
+    if t <= bt:  # one time tile
+        acc = accumulate(True)
+    else:
+        acc = jax.lax.cond(i == 0, lambda: accumulate(True), lambda: accumulate(False))
+    y = _activate(acc, activation).astype(y_ref.dtype)
+    mask = _all(row_ok, col_ok2)
+    if mask is None:
+        y_ref[...] = y
+    else:
+        plgpu.store(y_ref.at[pl.ds(0, bt), pl.ds(0, bc)], y, mask=mask)
+
+    # New state (time tile 0): u[len + k], k < W-1, with u = [state, x] (u-position p < W-1 is
+    # state column p, else x row p - (W-1)).
+    first = i == 0
+    length = jnp.clip(len_ref[0], 0, t)
+    for k in range(width - 1):
+        src = length + k - (width - 1)
+        in_x = src >= 0
+        new = plgpu.load(
+            x_ref.at[jnp.clip(src, 0, t - 1), pl.ds(0, bc)],
+            mask=_all(first & in_x, col_ok),
+            other=0,
+        )
+        si = jnp.clip(length + k, 0, width - 2)
+        old = plgpu.load(s_ref.at[cols, si], mask=_all(first & ~in_x, col_ok), other=0)
+        new = jnp.where(in_x, new, old.astype(dtype)).astype(ns_ref.dtype)
+        plgpu.store(ns_ref.at[cols, k], new, mask=_all(first, col_ok))
 
 
 @register("causal_conv1d", "pallas")
@@ -73,40 +149,40 @@ def causal_conv1d(
 ) -> tuple[jax.Array, jax.Array]:
     bsz, t, ch = x.shape
     width = _check(weight, activation)
-    bc = min(next_pow2(ch), MAX_BLOCK_C)
-    bt = min(next_pow2(t), MAX_BLOCK_T)
-    cp, tp = round_up(ch, bc), round_up(t, bt)
-    # u: [B, Tp + W-1, Cp]: W-1 carried inputs, then x, then zeros (tile loads stay in bounds).
-    u = jnp.concatenate([jnp.swapaxes(state, 1, 2).astype(x.dtype), x], axis=1)
-    u = pad_axis(pad_axis(u, 1, tp + width - 1), 2, cp)
-    w_t = pad_axis(weight.T, 1, cp)  # [W, Cp]
-    b = jnp.zeros((cp,), jnp.float32) if bias is None else pad_axis(bias, 0, cp)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
+    if bsz == 0 or t == 0 or ch == 0:  # nothing valid: y is empty, the state carries over
+        return jnp.zeros(x.shape, x.dtype), state.astype(x.dtype).astype(state.dtype)
+    bc = min(next_pow2(ch), BLOCK_C)
+    bt = min(next_pow2(t), BLOCK_T)
     kernel = functools.partial(
-        _conv_kernel, width=width, n_tiles=tp // bt, bt=bt, activation=activation
+        _conv_kernel, width=width, t=t, ch=ch, bt=bt, bc=bc, activation=activation
     )
-    y, s = pl.pallas_call(
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, i, j: (b,)),
+        pl.BlockSpec((None, t, bc), lambda b, i, j: (b, 0, j)),  # x, indexed in the kernel
+        pl.BlockSpec((None, bc, width - 1), lambda b, i, j: (b, j, 0)),
+        pl.BlockSpec((bc, width), lambda b, i, j: (j, 0)),
+    ]
+    args = [lengths.astype(jnp.int32), x, state, weight]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((bc,), lambda b, i, j: (j,)))
+        args.append(bias)
+    y, new_state = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((bsz, tp, cp), x.dtype),
-            jax.ShapeDtypeStruct((bsz, width - 1, cp), state.dtype),
+            jax.ShapeDtypeStruct((bsz, t, ch), x.dtype),
+            jax.ShapeDtypeStruct((bsz, ch, width - 1), state.dtype),
         ),
-        grid=(bsz, cp // bc),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((None, tp + width - 1, bc), lambda i, j: (i, 0, j)),
-            pl.BlockSpec((width, bc), lambda i, j: (0, j)),
-            pl.BlockSpec((1, bc), lambda i, j: (0, j)),
-        ],
+        grid=(bsz, pl.cdiv(t, bt), pl.cdiv(ch, bc)),
+        in_specs=in_specs,
         out_specs=(
-            pl.BlockSpec((None, tp, bc), lambda i, j: (i, 0, j)),
-            pl.BlockSpec((None, width - 1, bc), lambda i, j: (i, 0, j)),
+            pl.BlockSpec((None, bt, bc), lambda b, i, j: (b, i, j)),
+            pl.BlockSpec((None, bc, width - 1), lambda b, i, j: (b, j, 0)),
         ),
         interpret=interpret(),
-        compiler_params=triton_params(),
+        compiler_params=triton_params(num_warps=max(1, min(8, bt * bc // 2048))),
         name="causal_conv1d",
-    )(lengths, u, w_t, b[None, :])
-    return y[:, :t, :ch], jnp.swapaxes(s[:, :, :ch], 1, 2)
+    )(*args)
+    return y, new_state
 
 
 def _step_kernel(x_ref, s_ref, w_ref, b_ref, y_ref, ns_ref, *, width, activation):

@@ -100,6 +100,28 @@ def test_conv_rejects_bad_width_and_activation():
         conv(x, jnp.ones((1, 4, 4)), w5, b, jnp.array([2]), None)
 
 
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("shape", [(5, 128, 256), (5, 150, 300)])
+def test_causal_conv1d_several_tiles(shape, width):
+    # Several time tiles and channel blocks, aligned (T = 2 tiles, C = 2 blocks) and ragged in
+    # both; lengths end inside a tile, on a tile boundary, at 0 and below W-1. The state is
+    # float32 under bfloat16 x: the reference rounds carried inputs through x's dtype.
+    bsz, t, ch = shape
+    rng = _rng(5, width, t)
+    x, _, w, b = _conv_inputs(rng, bsz, t, ch, width, jnp.bfloat16)
+    state = jnp.asarray(rng.standard_normal((bsz, ch, width - 1)), jnp.float32)
+    lengths = jnp.array([t, 64, 0, width - 2, 97], jnp.int32)
+    for bias, act in ((b, "silu"), (None, None)):
+        y, s = _jit("causal_conv1d", "pallas", (5,))(x, state, w, bias, lengths, act)
+        y_ref, s_ref = _jit("causal_conv1d", "xla", (5,))(x, state, w, bias, lengths, act)
+        _finite(y, s)
+        assert y.dtype == y_ref.dtype and s.dtype == s_ref.dtype and s.shape == s_ref.shape
+        for row, n in enumerate(np.asarray(lengths)):
+            if n:
+                _close(y[row, :n], y_ref[row, :n], TOL[jnp.bfloat16])
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+
+
 # --- mamba2 --------------------------------------------------------------------------------
 
 
