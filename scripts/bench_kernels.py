@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.pallas.attention import paged_attention_tiled
+from backends.pallas.ssd import mamba2_scan_tiled
 from backends.protocol import RelativeBias, get_op
 
 BF = jnp.bfloat16
@@ -111,13 +112,13 @@ def prefill(peak_flops: float, args: argparse.Namespace) -> None:
     scale = hd**-0.5
     torch_tflops = torch_flash(t, nq, nkv, hd)
     rng = np.random.default_rng(0)
-    for page in (16, 64):
+    for page in sorted({tile[0] for tile in args.prefill_tiles}):
         q, k, v, table, pos, kv_len = paged_inputs(rng, 1, t, t, nq, nkv, hd, page, [0])
         # correctness on a 1k prefix (the reference materialises [T, S] logits)
         n = min(1024, t)
         small = (q[:, :n], k, v, table, pos[:, :n], jnp.full((1,), n, jnp.int32))
         ref = bind("paged_attention", "xla", scale, None, rq[:, :n], emb, spec)(*small)
-        for bm, bk, warps, stages in args.prefill_tiles:
+        for _, bm, bk, warps, stages in [tile for tile in args.prefill_tiles if tile[0] == page]:
 
             def run(*a, bm=bm, bk=bk, w=warps, s=stages, bias=True):
                 *a, rel_q = a
@@ -181,22 +182,27 @@ def torch_flash(t: int, nq: int, nkv: int, hd: int) -> float:
 
 
 def decode(bandwidth: float, args: argparse.Namespace) -> None:
-    bsz, ctx, nq, nkv, hd, page = 64, args.decode_context, 32, 8, 128, 16
-    rng = np.random.default_rng(1)
-    q, k, v, table, pos, kv_len = paged_inputs(rng, bsz, 1, ctx, nq, nkv, hd, page, [ctx - 1] * bsz)
+    bsz, ctx, nq, nkv, hd = 64, args.decode_context, 32, 8, 128
     kv_bytes = 2 * bsz * ctx * nkv * hd * 2
     scale = hd**-0.5
-    ref_fn = jax.jit(lambda *a: get_op("paged_attention", "xla")(*a, scale, None))
+    for page in sorted({tile[0] for tile in args.decode_tiles}):
+        decode_page(page, bandwidth, args, bsz, ctx, nq, nkv, hd, kv_bytes, scale)
+
+
+def decode_page(page, bandwidth, args, bsz, ctx, nq, nkv, hd, kv_bytes, scale) -> None:
+    rng = np.random.default_rng(1)
+    q, k, v, table, pos, kv_len = paged_inputs(rng, bsz, 1, ctx, nq, nkv, hd, page, [ctx - 1] * bsz)
+    ref_fn = bind("paged_attention", "xla", scale, None)
     ref = ref_fn(q, k, v, table, pos, kv_len)
     sec = timed(ref_fn, q, k, v, table, pos, kv_len, iters=args.iters)
-    row("decode attn", "xla reference", sec, of_bandwidth=kv_bytes / sec / bandwidth)
-    for bk, warps, stages in args.decode_tiles:
+    row("decode attn", f"xla reference page {page}", sec, of_bandwidth=kv_bytes / sec / bandwidth)
+    for _, bk, warps, stages in [tile for tile in args.decode_tiles if tile[0] == page]:
         fn = jax.jit(lambda *a, bk=bk, w=warps, s=stages: paged_attention_tiled(
             *a, scale, None, block_m=16, block_k=bk, num_warps=w, num_stages=s))  # fmt: skip
         try:
             err = rel_err(fn(q, k, v, table, pos, kv_len), ref)
             sec = timed(fn, q, k, v, table, pos, kv_len, iters=args.iters)
-            row("decode attn", f"pallas k{bk} w{warps} s{stages}", sec,
+            row("decode attn", f"pallas page {page} k{bk} w{warps} s{stages}", sec,
                 GBps=kv_bytes / sec / 1e9, of_bandwidth=kv_bytes / sec / bandwidth,
                 rel_err=err)  # fmt: skip
         except Exception as exc:  # noqa: BLE001
@@ -216,20 +222,22 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         h0 = jax.random.normal(keys[4], (bsz, nh, p, ns), jnp.float32)
         ops = (x, dt, a, b, c, d, h0)
         ref = None
-        for backend in ("xla", "pallas"):
-            for chunk in (64, 128) if backend == "pallas" else (128,):
+        variants = [("xla", 128, 0)] + [("pallas", ch, bp) for ch in (64, 128) for bp in (16, 32)]
+        for backend, chunk, bp in variants:
+            if backend == "xla":
                 fn = bind("mamba2_scan", backend, chunk)
-                try:
-                    out = fn(*ops)
-                    ref = out if backend == "xla" else ref
-                    err = rel_err(out[0], ref[0]) if backend == "pallas" else 0.0
-                    sec = timed(fn, *ops, iters=args.iters)
-                    row("mamba2 scan", f"{backend} B{bsz} T{t} chunk {chunk}", sec,
-                        tok_per_s=bsz * t / sec, rel_err=err)  # fmt: skip
-                except Exception as exc:  # noqa: BLE001
-                    print(
-                        f"mamba2 scan {backend} {chunk}: FAILED {type(exc).__name__}: {exc}"[:400]
-                    )
+            else:
+                fn = jax.jit(lambda *z, ch=chunk, bp=bp: mamba2_scan_tiled(*z, ch, block_p=bp))
+            try:
+                out = fn(*ops)
+                ref = out if backend == "xla" else ref
+                err = rel_err(out[0], ref[0]) if backend == "pallas" else 0.0
+                err_state = rel_err(out[1], ref[1]) if backend == "pallas" else 0.0
+                sec = timed(fn, *ops, iters=args.iters)
+                row("mamba2 scan", f"{backend} B{bsz} T{t} chunk {chunk} p{bp}", sec,
+                    tok_per_s=bsz * t / sec, rel_err=err, state_err=err_state)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001
+                print(f"mamba2 scan {backend} {chunk}: FAILED {type(exc).__name__}: {exc}"[:400])
     bsz = 256  # one decode step
     keys = jax.random.split(jax.random.key(9), 5)
     state = jax.random.normal(keys[0], (bsz, nh, p, ns), jnp.float32)
@@ -301,8 +309,12 @@ def main() -> None:
         global SMOKE
         SMOKE, args.iters = 64, 1
         args.prefill_tokens, args.decode_context = 256, 256
-    args.prefill_tiles = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3)]
-    args.decode_tiles = [(64, 4, 2), (128, 4, 2), (256, 8, 2), (128, 4, 3)]
+    # (page, block_m, block_k, warps, stages)
+    args.prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2), (16, 128, 64, 8, 3)]
+    args.prefill_tiles += [(64, 64, 64, 4, 2), (64, 128, 64, 8, 2), (64, 128, 64, 8, 3)]
+    args.prefill_tiles += [(64, 128, 64, 4, 3), (64, 64, 64, 4, 3)]
+    args.decode_tiles = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 64, 8, 2)]
+    args.decode_tiles += [(64, 64, 4, 2), (64, 64, 4, 3)]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     bandwidth, flops = ceilings()
     sections = {"prefill": lambda: prefill(flops, args), "decode": lambda: decode(bandwidth, args),
