@@ -8,9 +8,10 @@ Mamba2, attention, MLP; written once as a converted checkpoint). For each, in bf
      the bf16 noise floor `|logits_xla_bf16 - logits_xla_f32| / |logits_xla_f32|`. A backend
      passes when its error is no more than twice the floor (it differs from xla by about as
      much as bfloat16 itself does);
-  2. greedy generation (8 prompts of 20-400 tokens, 32 new tokens each, continuous batching
-     and chunked prefill): tokens per second, and how many tokens agree with xla before the
-     first divergence (bf16 near-ties may flip late tokens; the logits check is the criterion).
+  2. greedy generation (8 prompts of 20-400 tokens, 32 new tokens each, 2 x 8 for the ~1B
+     model; continuous batching and chunked prefill): tokens per second, and how many tokens
+     agree with xla before the first divergence (bf16 near-ties may flip late tokens; the
+     logits check is the criterion).
 
     python scripts/check_gpu_backends.py [--backends pallas torch] [--json out.json]
 """
@@ -58,11 +59,13 @@ def random_billion(dst: Path) -> int:
     return int(count)
 
 
-def run_backend(model: str, backend: str, dtype: str, prompt: list[int], prompts: list) -> dict:
+def run_backend(
+    model: str, backend: str, dtype: str, prompt: list[int], prompts: list, new_tokens: int
+) -> dict:
     llm = LLM(model, dtype=dtype, backend=backend, max_model_len=1024, max_num_seqs=16,
               max_num_batched_tokens=512, max_prefill_chunk=256, progress=False)  # fmt: skip
     logits = np.asarray(jnp.asarray(llm.engine.runner.sequence_logits(prompt), jnp.float32))
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # compile the common shapes
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -88,21 +91,23 @@ def agree(tokens: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
     return same, sum(map(len, ref))
 
 
-def check(name: str, model: str, backends: list[str]) -> list[dict]:
+def check(
+    name: str, model: str, backends: list[str], n_prompts: int, new_tokens: int
+) -> list[dict]:
     vocab = read_config(model).vocab_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, vocab, 512).tolist()
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, int(n)).tolist()}
-               for n in rng.integers(20, 400, 8)]  # fmt: skip
-    anchor = run_backend(model, "xla", "float32", prompt, prompts)
-    ref = run_backend(model, "xla", "bfloat16", prompt, prompts)
+               for n in rng.integers(20, 400, n_prompts)]  # fmt: skip
+    anchor = run_backend(model, "xla", "float32", prompt, prompts, new_tokens)
+    ref = run_backend(model, "xla", "bfloat16", prompt, prompts, new_tokens)
     floor = rel(ref["logits"], anchor["logits"])
     rows = [{"model": name, "backend": "xla", "err_vs_xla_f32": floor, "floor": floor,
              "tok_per_s": ref["tok_per_s"], "ok": True}]  # fmt: skip
     print(json.dumps(rows[-1]), flush=True)
     for backend in backends:
         try:
-            got = run_backend(model, backend, "bfloat16", prompt, prompts)
+            got = run_backend(model, backend, "bfloat16", prompt, prompts, new_tokens)
         except Exception as exc:  # noqa: BLE001  (report, go on with the next backend)
             rows.append({"model": name, "backend": backend, "error": f"{exc}"[:300], "ok": False})
             print(json.dumps(rows[-1]), flush=True)
@@ -123,15 +128,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="*", default=["pallas"])
     parser.add_argument("--skip-billion", action="store_true", help="the default model only")
+    parser.add_argument("--skip-default", action="store_true", help="the ~1B model only")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    rows = check("default", str(DEFAULT_MODEL), args.backends)
+    rows = [] if args.skip_default else check("default", str(DEFAULT_MODEL), args.backends, 8, 32)
     if not args.skip_billion:
         with tempfile.TemporaryDirectory() as tmp:
             count = random_billion(Path(tmp) / "random-1b")
             print(f"random hybrid: {count / 1e9:.2f}B parameters, pattern {PATTERN}", flush=True)
-            rows += check(f"random {count / 1e9:.2f}B", str(Path(tmp) / "random-1b"), args.backends)
+            name, path = f"random {count / 1e9:.2f}B", str(Path(tmp) / "random-1b")
+            rows += check(name, path, args.backends, 2, 8)  # few shapes: each compile is long
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if not all(r["ok"] for r in rows):
