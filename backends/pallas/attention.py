@@ -236,7 +236,9 @@ def paged_attention(
     rel_table: jax.Array | None = None,
     rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
+    # Decode steps over small pages were fastest with 32-key blocks on an H200 (BENCHMARKS.md).
+    block_k = 32 if q.shape[1] == 1 and k_pages.shape[2] < 32 else 64
     return paged_attention_tiled(
         q, k_pages, v_pages, block_table, q_positions, kv_lengths, scale, sliding_window,
-        rel_q, rel_table, rel_bias,
+        rel_q, rel_table, rel_bias, block_k=block_k,
     )  # fmt: skip
