@@ -250,9 +250,12 @@ def _import_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     try:
-        importlib.import_module(f"backends.{backend}")
+        module = importlib.import_module(f"backends.{backend}")
     except ImportError as err:
         raise BackendError(f"backend {backend!r} is not available here: {err}") from err
+    check = getattr(module, "check_platform", None)  # a backend may refuse this hardware
+    if check is not None:
+        check(jax.default_backend())
 
 
 def get_op(op: str, backend: str) -> Callable:

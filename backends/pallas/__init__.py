@@ -9,3 +9,16 @@ interpret mode is chosen when the default jax backend is the CPU.
 """
 
 from backends.pallas import attention, conv, moe, norm, ssd  # noqa: F401  (registers the ops)
+from backends.protocol import BackendError
+
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm")  # interpret mode on the CPU, Triton on GPUs
+
+
+def check_platform(platform: str) -> None:
+    """Raise `BackendError` on hardware the kernels do not target (their Triton lowering runs on
+    GPUs only; a TPU would need Mosaic kernels)."""
+    if platform not in PLATFORMS:
+        raise BackendError(
+            f"backend 'pallas' has kernels for GPUs (Triton) and the CPU (interpret mode), "
+            f"not for {platform!r}; use backend='xla'"
+        )

@@ -4,6 +4,7 @@ within 2e-2."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,3 +220,10 @@ def test_unknown_backend_and_missing_op_raise_clearly(monkeypatch):
     with pytest.raises(BackendError, match="has no implementation of op 'rms_norm'"):
         load_ops("pallas")
     assert load_ops("pallas", fallback="xla").rms_norm is get_op("rms_norm", "xla")
+
+
+def test_backend_refuses_unsupported_hardware(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(BackendError, match="not for 'tpu'"):
+        load_ops("pallas")
+    assert load_ops("xla").backend == "xla"
