@@ -1,4 +1,5 @@
-"""Helpers shared by the Pallas kernels: interpret-mode choice and padding to powers of two."""
+"""Helpers shared by the Pallas kernels: interpret-mode choice, padding to powers of two, and
+the in-kernel matmul."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def pad_axis(v: jax.Array, axis: int, size: int) -> jax.Array:
     widths = [(0, 0)] * v.ndim
     widths[axis] = (0, extra)
     return jnp.pad(v, widths)
+
+
+def dot(lhs: jax.Array, rhs: jax.Array, lhs_contract: int = 1, rhs_contract: int = 0) -> jax.Array:
+    """2-D matmul inside a kernel contracting the given axes, float32 accumulation. Float32
+    operands multiply in full float32 (HIGHEST: no TF32); bf16 operands use the tensor cores."""
+    f32 = jnp.float32 in (lhs.dtype, rhs.dtype)
+    return jax.lax.dot_general(
+        lhs,
+        rhs,
+        (((lhs_contract,), (rhs_contract,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST if f32 else None,
+        preferred_element_type=jnp.float32,
+    )

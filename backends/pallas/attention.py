@@ -37,18 +37,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import BackendError, RelativeBias, register
 
 F32 = jnp.float32
 NEG = -1e30  # masked logits: finite, so that exp(m - m') never sees inf - inf
 FAR = 2**30  # bucket start past every distance (padding buckets)
-
-
-def _dot(a: jax.Array, b: jax.Array, transpose_b: bool = False) -> jax.Array:
-    dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-    precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
 def _kernel(
@@ -77,16 +71,17 @@ def _kernel(
         b_lo = jnp.sum((bounds <= d_lo).astype(jnp.int32)) - 1
         b_hi = jnp.sum((bounds <= d_hi).astype(jnp.int32)) - 1
 
+        def column(b):  # [block_m, 1]: every row's bias at bucket b
+            return jnp.sum(rq * emb_ref[pl.ds(b, 1), :].astype(F32), axis=1)[:, None]
+
         def add(b, bias):
             lo_d = bound_ref[pl.ds(b, 1)].reshape(1, 1)
             hi_d = bound_ref[pl.ds(b + 1, 1)].reshape(1, 1)
-            col = jnp.sum(rq * emb_ref[pl.ds(b, 1), :].astype(F32), axis=1)  # [block_m]
             inside = (dist >= lo_d) & (dist < hi_d)
-            return bias + jnp.where(inside, col[:, None], 0.0)
+            return bias + jnp.where(inside, column(b), 0.0)
 
         def one_bucket():  # most tiles away from the diagonal: the bias is constant per row
-            col = jnp.sum(rq * emb_ref[pl.ds(b_lo, 1), :].astype(F32), axis=1)
-            return jnp.broadcast_to(col[:, None], dist.shape)
+            return jnp.broadcast_to(column(b_lo), dist.shape)
 
         def buckets():
             return jax.lax.fori_loop(b_lo, b_hi + 1, add, jnp.zeros(dist.shape, F32))
@@ -109,7 +104,7 @@ def _kernel(
             live = (key >= lo) & (key < kv_len)
             k = jnp.where(live[:, None], k, 0)
             v = jnp.where(live[:, None], v, 0)
-        logits = _dot(q, k.astype(q.dtype), transpose_b=True) * scale  # [block_m, block_k]
+        logits = dot(q, k.astype(q.dtype), 1, 1) * scale  # [block_m, block_k]
         if rel:
             logits += bias_of(start, dist)
         if masked:
@@ -122,7 +117,7 @@ def _kernel(
         p = jnp.exp(logits - m_new[:, None])
         if masked:
             p = jnp.where(visible, p, 0.0)
-        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v.astype(q.dtype))
+        acc = corr[:, None] * acc + dot(p.astype(v.dtype), v.astype(q.dtype))
         return acc, m_new, corr * s_i + jnp.sum(p, axis=1)
 
     rows, width = q.shape

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
 
 F32 = jnp.float32
@@ -41,7 +41,7 @@ def _block(n: int, cap: int) -> int:
     return min(max(next_pow2(n), MIN_BLOCK), cap)
 
 
-def _gmm_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, o_ref, *, n_k, tk, precision):
+def _gmm_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, o_ref, *, n_k, tk):
     row_expert = eid_ref[...]  # [TM]
     acc0 = jnp.zeros(o_ref.shape, F32)
 
@@ -53,13 +53,7 @@ def _gmm_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, o_ref, *, n_k, tk, p
             xk = x_ref[:, cols]  # [TM, TK]
             xk = jnp.where(mine, xk, jnp.zeros_like(xk))
             wk = w_ref[e, cols, :]  # [TK, TN]
-            return acc + jax.lax.dot_general(
-                xk,
-                wk,
-                (((1,), (0,)), ((), ())),
-                precision=precision,
-                preferred_element_type=F32,
-            )
+            return acc + dot(xk, wk)
 
         return jax.lax.fori_loop(0, n_k, k_step, acc)
 
@@ -85,8 +79,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     last = jnp.minimum(tiles[:, -1], n_exp - 1)
     xs = pad_axis(pad_axis(x.astype(dtype), 0, mp), 1, kp)
     ws = pad_axis(pad_axis(w.astype(dtype), 1, kp), 2, np_)
-    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
-    kernel = functools.partial(_gmm_kernel, n_k=kp // tk, tk=tk, precision=precision)
+    kernel = functools.partial(_gmm_kernel, n_k=kp // tk, tk=tk)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((mp, np_), dtype),

@@ -35,24 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
 
 F32 = jnp.float32
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _dot(
-    lhs: jax.Array, rhs: jax.Array, lhs_contract: int, rhs_contract: int, precision=HIGHEST
-) -> jax.Array:
-    """2-D matmul contracting the given axes, float32 accumulation (no TF32 when HIGHEST)."""
-    return jax.lax.dot_general(
-        lhs,
-        rhs,
-        (((lhs_contract,), (rhs_contract,)), ((), ())),
-        precision=precision,
-        preferred_element_type=F32,
-    )
 
 
 def _step_kernel(s_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, y_ref, ns_ref):
@@ -112,18 +98,17 @@ def mamba2_step(
 def _chunk_kernel(x_ref, dt_ref, cum_ref, last_ref, b_ref, c_ref, d_ref, y_ref, s_ref):
     """Phase 1, one (row, chunk, head): the chunk's own output and its state contribution."""
     x = x_ref[...]  # [L, P]
-    prec = HIGHEST if x.dtype == F32 else None
     dt = dt_ref[...].astype(F32)  # [L]
     cum = cum_ref[...]  # [L] inclusive cumsum of dt * a within the chunk
     b, c = b_ref[...], c_ref[...]  # [L, Ns]
     pos = jnp.arange(x.shape[0], dtype=jnp.int32)
     causal = pos[:, None] >= pos[None, :]
     decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    scores = _dot(c, b, 1, 1, prec) * decay * dt[None, :]  # [L, L]
-    y = _dot(scores.astype(x.dtype), x, 1, 0, prec) + d_ref[0].astype(F32) * x.astype(F32)
+    scores = dot(c, b, 1, 1) * decay * dt[None, :]  # [L, L]
+    y = dot(scores.astype(x.dtype), x, 1, 0) + d_ref[0].astype(F32) * x.astype(F32)
     y_ref[...] = y.astype(y_ref.dtype)
     weights = jnp.exp(last_ref[...] - cum) * dt  # [L]: decay from token to chunk end
-    s_ref[...] = _dot((x.astype(F32) * weights[:, None]).astype(x.dtype), b, 0, 0, prec)
+    s_ref[...] = dot((x.astype(F32) * weights[:, None]).astype(x.dtype), b, 0, 0)
 
 
 def _pass_kernel(c_ref, cum_ref, last_ref, s_ref, h0_ref, yd_ref, y_ref, hf_ref, *, length):
@@ -134,8 +119,7 @@ def _pass_kernel(c_ref, cum_ref, last_ref, s_ref, h0_ref, yd_ref, y_ref, hf_ref,
     def chunk(k, h):
         rows = pl.ds(pl.multiple_of(k * length, length), length)
         cc = c_ref[rows, :]  # [L, Ns]
-        prec = HIGHEST if cc.dtype == F32 else None
-        inflow = jnp.exp(cum_ref[rows])[:, None] * _dot(cc, h.astype(cc.dtype), 1, 1, prec)
+        inflow = jnp.exp(cum_ref[rows])[:, None] * dot(cc, h.astype(cc.dtype), 1, 1)
         y_ref[rows, :] = (yd_ref[rows, :].astype(F32) + inflow).astype(y_ref.dtype)
         decay = jnp.exp(last_ref[pl.ds(k, 1)]).reshape(1, 1)
         return decay * h + s_ref[pl.ds(k, 1), :, :].reshape(h.shape)
