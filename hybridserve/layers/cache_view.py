@@ -170,24 +170,6 @@ def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Arra
     return full[:, 0], full[:, 1]
 
 
-def read_kv(
-    region: jax.Array, acc: AttentionAccess, tp: int, table: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """K and V of every block in `table` ([B, nblk]) as [B, nblk*kb, K, H] each, and the
-    region (a gathered copy; the model reads pages through `kv_pages`)."""
-    kb, heads = acc.kernel_block, acc.kv_heads_local
-    hs, slot = jnp.arange(heads)[:, None], jnp.arange(kb)[None, :]
-    base = ((table[:, :, None, None] * 2) * heads + hs) * kb + slot  # [B, nblk, heads, kb]
-    out = []
-    for rows in (base, base + heads * kb):
-        typed = from_raw(region.at[:, rows].get(mode=IN_BOUNDS), acc.dtype, (acc.head_dim,))
-        typed = jnp.swapaxes(typed, 3, 4)  # [tp, B, nblk, kb, heads_local, H]
-        full = merge_tp(typed, 3)  # [B, nblk, kb, K*dup, H]
-        full = undup(full, 3, acc.dup(tp))
-        out.append(full.reshape(full.shape[0], -1, *full.shape[3:]))
-    return out[0], out[1], region
-
-
 def read_mamba(
     region: jax.Array, acc: MambaAccess, tp: int, pages: jax.Array, page_rows: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
