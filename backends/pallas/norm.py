@@ -7,8 +7,8 @@ float32, and the result matches the xla reference step for step:
                   out = weight * n.astype(y.dtype)
 (the weight multiply happens after the cast back, in the promoted dtype of weight and x).
 
-`gated_rms_norm` views y, z as [R, G, S] and adds a grid axis over the G groups: each program
-normalises one group of one row tile, so no in-kernel reshape is needed.
+Both view their inputs as [R, G, S] (rms_norm: one group of S = D) with a grid axis over the G
+groups: each program normalises one group of one row tile, so no in-kernel reshape is needed.
 
 Triton on GPU: every load/store must be a power-of-two tile, so the wrapper pads the feature
 dim D (or each group's S) to a power of two and R to whole row tiles. Padded columns are zero
@@ -47,52 +47,25 @@ def _normalise(v: jax.Array, size: int, eps: float) -> jax.Array:
     return v * jax.lax.rsqrt(mean_sq + eps)
 
 
-def _rms_kernel(x_ref, w_ref, o_ref, *, size, eps):
-    x = x_ref[...]
-    normed = _normalise(x.astype(F32), size, eps).astype(x.dtype)
-    o_ref[...] = (w_ref[...] * normed).astype(o_ref.dtype)  # w [1, Dp] broadcasts over rows
-
-
-@register("rms_norm", "pallas")
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    *lead, d = x.shape
-    rows = x.size // d if d else 0
-    out_dtype = jnp.result_type(weight.dtype, x.dtype)
-    if rows == 0 or d == 0:
-        return jnp.zeros(x.shape, out_dtype)
-    dp = next_pow2(d)
-    br = _block_rows(rows, dp)
-    rp = round_up(rows, br)
-    xs = pad_axis(pad_axis(x.reshape(rows, d), 0, rp), 1, dp)
-    kernel = functools.partial(_rms_kernel, size=d, eps=eps)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((rp, dp), out_dtype),
-        grid=(rp // br,),
-        in_specs=[
-            pl.BlockSpec((br, dp), lambda i: (i, 0)),
-            pl.BlockSpec((1, dp), lambda i: (0, 0)),
-        ],
-        out_specs=pl.BlockSpec((br, dp), lambda i: (i, 0)),
-        interpret=interpret(),
-        compiler_params=triton_params(num_warps=_warps(dp)),
-        name="rms_norm",
-    )(xs, pad_axis(weight, 0, dp)[None, :])
-    return out[:rows, :d].reshape(*lead, d)
-
-
-def _gated_kernel(y_ref, z_ref, w_ref, o_ref, *, size, eps):
+def _kernel(*refs, size, eps, gated):
+    """One row tile of one group: `n = g / sqrt(sum(g^2) / size + eps)`, `g = y` (or
+    `y * silu(z)` when gated); `out = w * n.astype(y.dtype)`."""
+    y_ref, *gate, w_ref, o_ref = refs
     y = y_ref[...]  # [BR, Sp]
-    z = z_ref[...].astype(F32)
-    g = y.astype(F32) * (z / (1.0 + jnp.exp(-z)))
+    g = y.astype(F32)
+    if gated:
+        z = gate[0][...].astype(F32)
+        g = g * (z / (1.0 + jnp.exp(-z)))
     normed = _normalise(g, size, eps).astype(y.dtype)
-    o_ref[...] = (w_ref[...] * normed).astype(o_ref.dtype)  # w [1, Sp]
+    o_ref[...] = (w_ref[...] * normed).astype(o_ref.dtype)  # w [1, Sp] broadcasts over rows
 
 
-@register("gated_rms_norm", "pallas")
-def gated_rms_norm(
-    y: jax.Array, z: jax.Array, weight: jax.Array, eps: float, group_size: int
+def _group_norm(
+    inputs: tuple[jax.Array, ...], weight: jax.Array, eps: float, group_size: int, name: str
 ) -> jax.Array:
+    """Normalise `inputs[0]` (gated by `inputs[1]` when given) per group of `group_size`
+    channels: a grid over (row tile, group) of [R, G, S] views."""
+    y = inputs[0]
     *lead, inner = y.shape
     if group_size <= 0 or inner % group_size:
         raise ValueError(f"inner size {inner} is not a multiple of group_size {group_size}")
@@ -109,16 +82,28 @@ def gated_rms_norm(
         return pad_axis(pad_axis(v.reshape(rows, groups, group_size), 0, rp), 2, sp)
 
     w = pad_axis(weight.reshape(groups, group_size), 1, sp)  # [G, Sp]
-    kernel = functools.partial(_gated_kernel, size=group_size, eps=eps)
+    kernel = functools.partial(_kernel, size=group_size, eps=eps, gated=len(inputs) == 2)
     row_spec = pl.BlockSpec((br, None, sp), lambda i, g: (i, g, 0))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((rp, groups, sp), out_dtype),
         grid=(rp // br, groups),
-        in_specs=[row_spec, row_spec, pl.BlockSpec((1, sp), lambda i, g: (g, 0))],
+        in_specs=[row_spec] * len(inputs) + [pl.BlockSpec((1, sp), lambda i, g: (g, 0))],
         out_specs=row_spec,
         interpret=interpret(),
         compiler_params=triton_params(num_warps=_warps(sp)),
-        name="gated_rms_norm",
-    )(grouped(y), grouped(z), w)
+        name=name,
+    )(*map(grouped, inputs), w)
     return out[:rows, :, :group_size].reshape(*lead, inner)
+
+
+@register("rms_norm", "pallas")
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    return _group_norm((x,), weight, eps, max(x.shape[-1], 1), "rms_norm")  # D = 0: empty
+
+
+@register("gated_rms_norm", "pallas")
+def gated_rms_norm(
+    y: jax.Array, z: jax.Array, weight: jax.Array, eps: float, group_size: int
+) -> jax.Array:
+    return _group_norm((y, z), weight, eps, group_size, "gated_rms_norm")
