@@ -147,12 +147,28 @@ def causal_conv1d(
     lengths: jax.Array,
     activation: str | None,
 ) -> tuple[jax.Array, jax.Array]:
+    return causal_conv1d_tiled(x, state, weight, bias, lengths, activation)
+
+
+def causal_conv1d_tiled(
+    x: jax.Array,
+    state: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    lengths: jax.Array,
+    activation: str | None,
+    *,
+    block_t: int = BLOCK_T,
+    block_c: int = BLOCK_C,
+    num_warps: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`causal_conv1d` with explicit tiles (powers of two; the benchmark sweeps them)."""
     bsz, t, ch = x.shape
     width = _check(weight, activation)
     if bsz == 0 or t == 0 or ch == 0:  # nothing valid: y is empty, the state carries over
         return jnp.zeros(x.shape, x.dtype), state.astype(x.dtype).astype(state.dtype)
-    bc = min(next_pow2(ch), BLOCK_C)
-    bt = min(next_pow2(t), BLOCK_T)
+    bc = min(next_pow2(ch), block_c)
+    bt = min(next_pow2(t), max(block_t, 4))  # tiles after the first start at t0 >= 4 > W-1
     kernel = functools.partial(
         _conv_kernel, width=width, t=t, ch=ch, bt=bt, bc=bc, activation=activation
     )
@@ -179,7 +195,7 @@ def causal_conv1d(
             pl.BlockSpec((None, bc, width - 1), lambda b, i, j: (b, j, 0)),
         ),
         interpret=interpret(),
-        compiler_params=triton_params(num_warps=max(1, min(8, bt * bc // 2048))),
+        compiler_params=triton_params(num_warps or max(1, min(8, bt * bc // 2048))),
         name="causal_conv1d",
     )(*args)
     return y, new_state

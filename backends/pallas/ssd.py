@@ -127,6 +127,36 @@ def _pass_kernel(c_ref, cum_ref, last_ref, s_ref, h0_ref, yd_ref, y_ref, hf_ref,
     hf_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, h0_ref[...].astype(F32))
 
 
+def _fused_kernel(
+    x_ref, dt_ref, cum_ref, last_ref, b_ref, c_ref, d_ref, h0_ref, y_ref, hf_ref, *, length
+):
+    """One pass, one (row, head, slice of P): walk the chunks in order with the state in
+    registers; each chunk's output is its own part plus the inflow from the carried state, and
+    its state contribution is added before the next chunk (no chunk states in memory)."""
+    n_chunks = last_ref.shape[0]
+    d = d_ref[0].astype(F32)
+    pos = jnp.arange(length, dtype=jnp.int32)
+    causal = pos[:, None] >= pos[None, :]
+
+    def chunk(k, h):
+        rows = pl.ds(pl.multiple_of(k * length, length), length)
+        x = x_ref[rows, :]  # [L, bp]
+        dt = dt_ref[rows].astype(F32)  # [L]
+        cum = cum_ref[rows]  # [L]
+        b, c = b_ref[rows, :], c_ref[rows, :]  # [L, Ns]
+        decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+        scores = dot(c, b, 1, 1) * decay * dt[None, :]  # [L, L]
+        y = dot(scores.astype(x.dtype), x, 1, 0) + d * x.astype(F32)
+        y += jnp.exp(cum)[:, None] * dot(c, h.astype(c.dtype), 1, 1)
+        y_ref[rows, :] = y.astype(y_ref.dtype)
+        last = last_ref[pl.ds(k, 1)].reshape(1, 1)
+        weights = jnp.exp(last - cum[:, None]) * dt[:, None]  # [L, 1]
+        inflow = dot((x.astype(F32) * weights).astype(x.dtype), b, 0, 0)  # [bp, Ns]
+        return jnp.exp(last) * h + inflow
+
+    hf_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, h0_ref[...].astype(F32))
+
+
 MAX_CHUNK = 128  # the kernels' own chunk length cap ([L, L] scores stay in registers)
 
 
@@ -156,8 +186,10 @@ def mamba2_scan_tiled(
     *,
     block_p: int = 16,
     num_warps: int | None = None,
+    one_pass: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """`mamba2_scan` with an explicit P slice per phase-2 program (the benchmark sweeps it)."""
+    """`mamba2_scan` with explicit tiles (the benchmark sweeps them): `block_p` state rows per
+    sequential program; `one_pass` runs the fused kernel instead of the two phases."""
     bsz, t, nh, p = x.shape
     groups, ns = b.shape[2], b.shape[3]
     rep = nh // groups
@@ -178,6 +210,37 @@ def mamba2_scan_tiled(
     cum = jnp.cumsum(dta, axis=2)  # [B, nc, L, Hs]
     last = cum[:, :, -1, :]  # [B, nc, Hs]
     cum = cum.reshape(bsz, tp, nh)
+    # Specs of the sequential programs, grid (row, head, slice of P).
+    seq_tok = lambda w: pl.BlockSpec((None, tp, None, w), lambda i, h, j: (i, 0, h, j))  # noqa: E731
+    seq_grp = pl.BlockSpec((None, tp, None, nsp), lambda i, h, j: (i, 0, h // rep, 0))
+    seq_vec = pl.BlockSpec((None, tp, None), lambda i, h, j: (i, 0, h))
+    seq_last = pl.BlockSpec((None, nc, None), lambda i, h, j: (i, 0, h))
+    seq_state = pl.BlockSpec((None, None, bp, nsp), lambda i, h, j: (i, h, j, 0))
+    out_shape = (
+        jax.ShapeDtypeStruct((bsz, tp, nh, pp), x.dtype),
+        jax.ShapeDtypeStruct((bsz, nh, pp, nsp), F32),
+    )
+    if one_pass:
+        y, final = pl.pallas_call(
+            functools.partial(_fused_kernel, length=length),
+            out_shape=out_shape,
+            grid=(bsz, nh, pp // bp),
+            in_specs=[
+                seq_tok(bp),
+                seq_vec,
+                seq_vec,
+                seq_last,
+                seq_grp,
+                seq_grp,
+                pl.BlockSpec((1,), lambda i, h, j: (h,)),
+                seq_state,
+            ],
+            out_specs=(seq_tok(bp), seq_state),
+            interpret=interp,
+            compiler_params=triton_params(num_warps),
+            name="mamba2_one_pass",
+        )(xs, dts, cum, last, bs, cs, d, h0)
+        return y[:, :t, :, :p], final[:, :, :p, :ns]
     tok = lambda w: pl.BlockSpec((None, length, None, w), lambda i, k, h: (i, k, h, 0))  # noqa: E731
     grp = pl.BlockSpec((None, length, None, nsp), lambda i, k, h: (i, k, h // rep, 0))
     vec = pl.BlockSpec((None, length, None), lambda i, k, h: (i, k, h))
@@ -207,23 +270,17 @@ def mamba2_scan_tiled(
     )(xs, dts, cum, last, bs, cs, d)
     y, final = pl.pallas_call(
         functools.partial(_pass_kernel, length=length),
-        out_shape=(
-            jax.ShapeDtypeStruct((bsz, tp, nh, pp), x.dtype),
-            jax.ShapeDtypeStruct((bsz, nh, pp, nsp), F32),
-        ),
+        out_shape=out_shape,
         grid=(bsz, nh, pp // bp),
         in_specs=[
-            pl.BlockSpec((None, tp, None, nsp), lambda i, h, j: (i, 0, h // rep, 0)),
-            pl.BlockSpec((None, tp, None), lambda i, h, j: (i, 0, h)),
-            pl.BlockSpec((None, nc, None), lambda i, h, j: (i, 0, h)),
+            seq_grp,
+            seq_vec,
+            seq_last,
             pl.BlockSpec((None, None, nc, bp, nsp), lambda i, h, j: (i, h, 0, j, 0)),
-            pl.BlockSpec((None, None, bp, nsp), lambda i, h, j: (i, h, j, 0)),
-            pl.BlockSpec((None, tp, None, bp), lambda i, h, j: (i, 0, h, j)),
+            seq_state,
+            seq_tok(bp),
         ],
-        out_specs=(
-            pl.BlockSpec((None, tp, None, bp), lambda i, h, j: (i, 0, h, j)),
-            pl.BlockSpec((None, None, bp, nsp), lambda i, h, j: (i, h, j, 0)),
-        ),
+        out_specs=(seq_tok(bp), seq_state),
         input_output_aliases={5: 0},  # y is written over the chunk outputs, in place
         interpret=interp,
         compiler_params=triton_params(),

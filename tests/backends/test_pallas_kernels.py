@@ -7,6 +7,8 @@ Tolerances: float32 within 1e-5 relative to the output scale; bfloat16 within 2e
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +124,25 @@ def test_causal_conv1d_several_tiles(shape, width):
         np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
 
 
+@pytest.mark.parametrize("block_t,block_c", [(16, 32), (4, 512), (256, 128)])
+def test_causal_conv1d_other_tiles(block_t, block_c):
+    # The benchmark's tile sweep: small tiles (many programs, ragged everywhere), 4-row tiles
+    # (the smallest that keeps the width-4 window after the first tile inside x), one time tile.
+    from backends.pallas.conv import causal_conv1d_tiled
+
+    bsz, t, ch, width = 3, 150, 300, 4
+    rng = _rng(9, block_t, block_c)
+    x, state, w, b = _conv_inputs(rng, bsz, t, ch, width, jnp.float32)
+    lengths = jnp.array([t, 5, 97], jnp.int32)
+    conv = functools.partial(causal_conv1d_tiled, block_t=block_t, block_c=block_c)
+    y, s = jax.jit(conv, static_argnums=(5,))(x, state, w, b, lengths, "silu")
+    y_ref, s_ref = _jit("causal_conv1d", "xla", (5,))(x, state, w, b, lengths, "silu")
+    _finite(y, s)
+    for row, n in enumerate(np.asarray(lengths)):
+        _close(y[row, :n], y_ref[row, :n], TOL[jnp.float32])
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+
+
 # --- mamba2 --------------------------------------------------------------------------------
 
 
@@ -164,10 +185,14 @@ def test_mamba2_step_matches_xla(nh, g, p, ns, dtype):
         (9, 64, (4, 4, 8, 16)),
     ],
 )
-def test_mamba2_scan_matches_xla(t, chunk, shape, dtype):
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_phase", "one_pass"])
+def test_mamba2_scan_matches_xla(t, chunk, shape, dtype, one_pass):
+    from backends.pallas.ssd import mamba2_scan_tiled
+
     nh, g, p, ns = shape
     args = _ssm_inputs(_rng(6, t, nh), 2, t, nh, p, g, ns, dtype)
-    y, h = _jit("mamba2_scan", "pallas", (7,))(*args, chunk)
+    scan = functools.partial(mamba2_scan_tiled, block_p=4, one_pass=one_pass)
+    y, h = jax.jit(scan, static_argnums=(7,))(*args, chunk)
     y_ref, h_ref = _jit("mamba2_scan", "xla", (7,))(*args, chunk)
     _finite(y, h)
     assert y.dtype == args[0].dtype and h.dtype == jnp.float32
@@ -279,6 +304,14 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
 # --- GPU lowering ----------------------------------------------------------------------------
 
 S = jax.ShapeDtypeStruct
+
+
+def _one_pass_scan(*args):
+    from backends.pallas.ssd import mamba2_scan_tiled
+
+    return mamba2_scan_tiled(*args, block_p=32, one_pass=True)
+
+
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 # Awkward shapes: widths 3 (state not a power of two), C = 70, T = 37/100, P = 6, Ns = 12,
 # D = 80/96, groups of 24, M = 5/100, Din = 24/200, Dout = 40/96.
@@ -298,6 +331,11 @@ LOWERING_CASES = {
     ),
     "mamba2_scan": (
         lambda *args: get_op("mamba2_scan", "pallas")(*args, 64),
+        (S((2, 100, 6, 64), BF), S((2, 100, 6), BF), S((6,), F32), S((2, 100, 1, 128), BF))
+        + (S((2, 100, 1, 128), BF), S((6,), F32), S((2, 6, 64, 128), F32)),
+    ),
+    "mamba2_scan_one_pass": (
+        lambda *args: _one_pass_scan(*args, 64),
         (S((2, 100, 6, 64), BF), S((2, 100, 6), BF), S((6,), F32), S((2, 100, 1, 128), BF))
         + (S((2, 100, 1, 128), BF), S((6,), F32), S((2, 6, 64, 128), F32)),
     ),
