@@ -18,12 +18,13 @@ zeroed before the matmuls (they may hold other layers' bytes, even NaNs); the vi
 zeroes their probabilities.
 
 Relative bias ("sheared": never materialised): `bias[m, j] = rel_q[m] . table[bucket(pos[m] -
-j)]`. Within one tile the distances `pos[m] - j` span `[dmin, dmax]`, so only the buckets from
-`bucket(dmin)` to `bucket(dmax)` occur: the kernel loops over them, computes the column
-`rel_q . table[bucket]` ([block_m]) and adds it where the distance falls in that bucket's range.
-Far from the diagonal a tile spans one or two (log-spaced) buckets, so the bias costs a few
-vector ops per tile (one bucket: a per-row constant, no masks); only tiles near the diagonal
-loop over the exact buckets.
+j)]`. Each program first computes every row's bias at every bucket, `rel_q table^T`
+([block_m, nb], one small matmul). Blocks all of whose distances fall in the last bucket
+(`pos - j >= its start`, most of a long prefill) run in a loop of their own that adds that
+bucket's column as a per-row constant. Elsewhere the distances of a tile span `[dmin, dmax]`,
+so only the buckets `bucket(dmin)` to `bucket(dmax)` occur: a tile spanning one bucket adds its
+column (no masks); tiles near the diagonal loop over their buckets, adding each column where the
+distance falls in that bucket's range. No [T, S] array is ever formed.
 
 Triton on GPU needs power-of-two tiles: pages (the kernel block) must be a power of two, and the
 wrapper pads the head dim (copying the cache when it is not a power of two, e.g. 80) and R.
@@ -46,7 +47,19 @@ FAR = 2**30  # bucket start past every distance (padding buckets)
 
 
 def _kernel(
-    table_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, *refs, pages, scale, window, rel, split
+    table_ref,
+    kv_len_ref,
+    pos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    pages,
+    scale,
+    window,
+    rel,
+    split,
+    far,
 ):
     if rel:
         rq_ref, emb_ref, bound_ref, o_ref = refs
@@ -62,17 +75,21 @@ def _kernel(
     lo = jnp.zeros_like(hi) if window is None else jnp.maximum(p_min - window + 1, 0)
     first, last = lo // block_k, (hi + block_k - 1) // block_k
     if rel:
-        rq = rq_ref[...].astype(F32)  # [block_m, R]
         bounds = bound_ref[...]  # [nb] bucket starts, padded with FAR
+        # every row's bias at every bucket, once per program: [block_m, nb]
+        rq, emb = rq_ref[...], emb_ref[...]
+        common = jnp.promote_types(rq.dtype, emb.dtype)
+        columns = dot(rq.astype(common), emb.astype(common), 1, 1)
+        bucket_ids = jnp.arange(bounds.shape[0], dtype=jnp.int32)
+
+    def column(b):  # [block_m, 1]: every row's bias at bucket b
+        return jnp.sum(jnp.where(bucket_ids[None, :] == b, columns, 0.0), axis=1)[:, None]
 
     def bias_of(start, dist):
         d_lo = jnp.maximum(p_min - (start + block_k - 1), 0)
         d_hi = jnp.maximum(p_max - start, 0)
         b_lo = jnp.sum((bounds <= d_lo).astype(jnp.int32)) - 1
         b_hi = jnp.sum((bounds <= d_hi).astype(jnp.int32)) - 1
-
-        def column(b):  # [block_m, 1]: every row's bias at bucket b
-            return jnp.sum(rq * emb_ref[pl.ds(b, 1), :].astype(F32), axis=1)[:, None]
 
         def add(b, bias):
             lo_d = bound_ref[pl.ds(b, 1)].reshape(1, 1)
@@ -88,7 +105,7 @@ def _kernel(
 
         return jax.lax.cond(b_lo == b_hi, one_bucket, buckets)
 
-    def body(i, carry, masked=True):
+    def body(i, carry, masked=True, far_bias=None):
         acc, m_i, s_i = carry
         if pages == 1:  # one page per key block: a plain (pipelinable) block load
             page_id = table_ref[i]
@@ -105,7 +122,9 @@ def _kernel(
             k = jnp.where(live[:, None], k, 0)
             v = jnp.where(live[:, None], v, 0)
         logits = dot(q, k.astype(q.dtype), 1, 1) * scale  # [block_m, block_k]
-        if rel:
+        if far_bias is not None:  # every distance in the last bucket
+            logits += far_bias
+        elif rel:
             logits += bias_of(start, dist)
         if masked:
             visible = live[None, :] & (dist >= 0)
@@ -124,6 +143,12 @@ def _kernel(
     init = (jnp.zeros((rows, width), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
     if split:  # blocks every row sees whole (keys <= min(pos), < kv_len) skip the masks
         inner = jnp.clip(jnp.minimum(p_min + 1, kv_len) // block_k, first, last)
+        if rel:  # blocks all of whose distances reach the last bucket: a per-row constant bias
+            far_start, far_bucket = far
+            far_end = jnp.clip((p_min - far_start + 1) // block_k, first, inner)
+            far_body = functools.partial(body, masked=False, far_bias=column(far_bucket))
+            init = jax.lax.fori_loop(first, far_end, far_body, init)
+            first = far_end
         init = jax.lax.fori_loop(first, inner, functools.partial(body, masked=False), init)
         first = inner
     acc, _, s = jax.lax.fori_loop(first, last, body, init)
@@ -188,7 +213,7 @@ def paged_attention_tiled(
     if rel:
         rp = next_pow2(rel_q.shape[-1])
         starts = rel_bias.boundaries()
-        nb = next_pow2(len(starts) + 1)
+        nb = max(16, next_pow2(len(starts) + 1))  # tl.dot wants every dim >= 16
         bounds = jnp.asarray(list(starts) + [FAR] * (nb - len(starts)), jnp.int32)
         emb = pad_axis(pad_axis(rel_table, 1, rp), 0, nb)
         in_specs += [
@@ -200,8 +225,9 @@ def paged_attention_tiled(
     # Unmasked blocks first: +50% for prefill on an H200, but 1.5x slower for decode rows over
     # gathered pages (BENCHMARKS.md), which keep the one masked loop.
     split = sliding_window is None and (pages == 1 or t > 1)
+    far = (starts[-1], len(starts) - 1) if rel else None  # the last bucket: start, index
     kernel = functools.partial(
-        _kernel, pages=pages, scale=scale, window=sliding_window, rel=rel, split=split
+        _kernel, pages=pages, scale=scale, window=sliding_window, rel=rel, split=split, far=far
     )
     out = pl.pallas_call(
         kernel,

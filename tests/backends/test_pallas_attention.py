@@ -38,19 +38,26 @@ def test_small_tiles_match_reference(block_m, block_k, window, rel):
     _check(got, ref, jnp.float32)
 
 
+@pytest.mark.parametrize("rel", [False, True])
 @pytest.mark.parametrize("page", [16, 64])
-def test_both_page_paths_lower_to_triton(page, monkeypatch):
+def test_both_page_paths_lower_to_triton(page, rel, monkeypatch):
     """Several pages per key block (a gathered load) and one (a scalar page id) both lower
-    for CUDA on this machine (compiling to PTX needs a GPU)."""
+    for CUDA on this machine (compiling to PTX needs a GPU), with and without the relative
+    bias (its far-block loop included: no window)."""
     from jax import export
 
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     s, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     args = (s((2, 40, 8, 128), bf), s((9, 2, page, 128), bf), s((9, 2, page, 128), bf))
     args += (s((2, 4), i32), s((2, 40), i32), s((2,), i32))
+    if rel:
+        args += (s((2, 40, 8, 32), bf), s((20, 32), bf))
+        extra = (RelativeBias(20, 8, 512),)
+    else:
+        extra = ()
     triton = "__gpu$xla.gpu.triton"
     exported = export.export(
-        jax.jit(lambda *a: paged_attention_tiled(*a, 0.1, None, block_k=64)),
+        jax.jit(lambda *a: paged_attention_tiled(*a[:6], 0.1, None, *a[6:], *extra, block_k=64)),
         platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
     )(*args)
