@@ -32,11 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from backends.pallas.attention import paged_attention_tiled
+from backends.pallas.conv import causal_conv1d_tiled
 from backends.pallas.ssd import mamba2_scan_tiled
 from backends.protocol import RelativeBias, get_op
 
 BF = jnp.bfloat16
 ROWS: list[dict] = []
+# Variant sweeps: one-pass scan (chunk, P slice, warps); sconv tiles (time rows, channels, warps)
+SCAN_ONE_PASS = [(64, 64, 4), (64, 64, 8), (64, 32, 4), (32, 64, 4), (128, 64, 8), (64, 16, 4)]
+CONV_TILES = [(128, 128, 4), (32, 256, 4), (64, 256, 8), (128, 256, 8), (256, 128, 8), (16, 512, 4)]
 SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
 
 
@@ -222,22 +226,25 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         h0 = jax.random.normal(keys[4], (bsz, nh, p, ns), jnp.float32)
         ops = (x, dt, a, b, c, d, h0)
         ref = None
-        variants = [("xla", 128, 0)] + [("pallas", ch, bp) for ch in (64, 128) for bp in (16, 32)]
-        for backend, chunk, bp in variants:
-            if backend == "xla":
-                fn = bind("mamba2_scan", backend, chunk)
+        # (kernel, chunk, P slice, warps): the two-phase kernels, then the one-pass kernel
+        variants = [("xla", 128, 0, 0), ("two-phase", 128, 32, 0), ("two-phase", 64, 32, 0)]
+        variants += [("registered", 0, 0, 0)] + [("one-pass", *v) for v in SCAN_ONE_PASS]
+        for kind, chunk, bp, warps in variants:
+            if kind in ("xla", "registered"):
+                backend = "xla" if kind == "xla" else "pallas"
+                fn = bind("mamba2_scan", backend, chunk or 128)
             else:
-                fn = jax.jit(lambda *z, ch=chunk, bp=bp: mamba2_scan_tiled(*z, ch, block_p=bp))
+                fn = jax.jit(lambda *z, ch=chunk, bp=bp, w=warps, k=kind: mamba2_scan_tiled(
+                    *z, ch, block_p=bp, num_warps=w or None, one_pass=k == "one-pass"))  # fmt: skip
+            name = f"{kind} B{bsz} T{t} chunk {chunk} p{bp} w{warps}"
             try:
                 out = fn(*ops)
-                ref = out if backend == "xla" else ref
-                err = rel_err(out[0], ref[0]) if backend == "pallas" else 0.0
-                err_state = rel_err(out[1], ref[1]) if backend == "pallas" else 0.0
+                ref = out if kind == "xla" else ref
                 sec = timed(fn, *ops, iters=args.iters)
-                row("mamba2 scan", f"{backend} B{bsz} T{t} chunk {chunk} p{bp}", sec,
-                    tok_per_s=bsz * t / sec, rel_err=err, state_err=err_state)  # fmt: skip
+                row("mamba2 scan", name, sec, tok_per_s=bsz * t / sec, rel_err=rel_err(
+                    out[0], ref[0]), state_err=rel_err(out[1], ref[1]))  # fmt: skip
             except Exception as exc:  # noqa: BLE001
-                print(f"mamba2 scan {backend} {chunk}: FAILED {type(exc).__name__}: {exc}"[:400])
+                print(f"mamba2 scan {name}: FAILED {type(exc).__name__}: {exc}"[:400])
     bsz = 256  # one decode step
     keys = jax.random.split(jax.random.key(9), 5)
     state = jax.random.normal(keys[0], (bsz, nh, p, ns), jnp.float32)
@@ -269,6 +276,17 @@ def conv(bandwidth: float, args: argparse.Namespace) -> None:
         err = rel_err(outs[backend][0], outs["xla"][0])
         row("sconv", f"{backend} [{bsz},{t},{ch}] w{width}", sec,
             GBps=moved / sec / 1e9, of_bandwidth=moved / sec / bandwidth, rel_err=err)  # fmt: skip
+    for bt, bc, warps in CONV_TILES:
+        fn = jax.jit(lambda *z, bt=bt, bc=bc, w=warps: causal_conv1d_tiled(
+            *z, "silu", block_t=bt, block_c=bc, num_warps=w))  # fmt: skip
+        try:
+            err = rel_err(fn(x, state, w, bias, lengths)[0], outs["xla"][0])
+            sec = timed(fn, x, state, w, bias, lengths, iters=args.iters)
+            gbps = moved / sec
+            row("sconv", f"pallas tiles {bt} x {bc} w{warps}", sec,
+                GBps=gbps / 1e9, of_bandwidth=gbps / bandwidth, rel_err=err)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            print(f"sconv {bt}x{bc}: FAILED {type(exc).__name__}: {exc}"[:400])
     bsz = 256
     xs, st = x[:, 0].repeat(32, 0)[:bsz], state.repeat(32, 0)[:bsz]
     for backend in ("xla", "pallas"):
@@ -310,9 +328,9 @@ def main() -> None:
         SMOKE, args.iters = 64, 1
         args.prefill_tokens, args.decode_context = 256, 256
     # (page, block_m, block_k, warps, stages)
-    args.prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2), (16, 128, 64, 8, 3)]
+    args.prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2)]
     args.prefill_tiles += [(64, 64, 64, 4, 2), (64, 128, 64, 8, 2), (64, 128, 64, 8, 3)]
-    args.prefill_tiles += [(64, 128, 64, 4, 3), (64, 64, 64, 4, 3)]
+    args.prefill_tiles += [(64, 64, 64, 4, 3), (64, 128, 32, 4, 3)]
     args.decode_tiles = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 64, 8, 2)]
     args.decode_tiles += [(64, 64, 4, 2), (64, 64, 4, 3)]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
