@@ -62,7 +62,8 @@ def _kernel(
     far,
 ):
     if rel:
-        rq_ref, emb_ref, bound_ref, o_ref = refs
+        rq_ref, emb_ref, bound_ref, widths_ref, o_ref = refs
+        far_start, far_bucket = far
     else:
         (o_ref,) = refs
     page = k_ref.shape[1]
@@ -85,11 +86,12 @@ def _kernel(
     def column(b):  # [block_m, 1]: every row's bias at bucket b
         return jnp.sum(jnp.where(bucket_ids[None, :] == b, columns, 0.0), axis=1)[:, None]
 
-    def bias_of(start, dist):
-        d_lo = jnp.maximum(p_min - (start + block_k - 1), 0)
-        d_hi = jnp.maximum(p_max - start, 0)
-        b_lo = jnp.sum((bounds <= d_lo).astype(jnp.int32)) - 1
-        b_hi = jnp.sum((bounds <= d_hi).astype(jnp.int32)) - 1
+    def bucket_of(d):  # scalar distance -> its bucket
+        return jnp.sum((bounds <= d).astype(jnp.int32)) - 1
+
+    def near_bias(start, dist):  # any tile: loop over the buckets its distances span
+        b_lo = bucket_of(jnp.maximum(p_min - (start + block_k - 1), 0))
+        b_hi = bucket_of(jnp.maximum(p_max - start, 0))
 
         def add(b, bias):
             lo_d = bound_ref[pl.ds(b, 1)].reshape(1, 1)
@@ -97,15 +99,14 @@ def _kernel(
             inside = (dist >= lo_d) & (dist < hi_d)
             return bias + jnp.where(inside, column(b), 0.0)
 
-        def one_bucket():  # most tiles away from the diagonal: the bias is constant per row
-            return jnp.broadcast_to(column(b_lo), dist.shape)
+        return jax.lax.fori_loop(b_lo, b_hi + 1, add, jnp.zeros(dist.shape, F32))
 
-        def buckets():
-            return jax.lax.fori_loop(b_lo, b_hi + 1, add, jnp.zeros(dist.shape, F32))
+    def mid_bias(start, dist):  # a tile whose distances span at most two buckets: a select
+        b_lo = bucket_of(jnp.maximum(p_min - (start + block_k - 1), 0))
+        edge = bound_ref[pl.ds(b_lo + 1, 1)].reshape(1, 1)
+        return jnp.where(dist >= edge, column(b_lo + 1), column(b_lo))
 
-        return jax.lax.cond(b_lo == b_hi, one_bucket, buckets)
-
-    def body(i, carry, masked=True, far_bias=None):
+    def body(i, carry, masked=True, bias=None):
         acc, m_i, s_i = carry
         if pages == 1:  # one page per key block: a plain (pipelinable) block load
             page_id = table_ref[i]
@@ -122,10 +123,8 @@ def _kernel(
             k = jnp.where(live[:, None], k, 0)
             v = jnp.where(live[:, None], v, 0)
         logits = dot(q, k.astype(q.dtype), 1, 1) * scale  # [block_m, block_k]
-        if far_bias is not None:  # every distance in the last bucket
-            logits += far_bias
-        elif rel:
-            logits += bias_of(start, dist)
+        if bias is not None:  # a per-row constant, or a function of the tile's distances
+            logits += bias if isinstance(bias, jax.Array) else bias(start, dist)
         if masked:
             visible = live[None, :] & (dist >= 0)
             if window is not None:
@@ -143,15 +142,25 @@ def _kernel(
     init = (jnp.zeros((rows, width), F32), jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
     if split:  # blocks every row sees whole (keys <= min(pos), < kv_len) skip the masks
         inner = jnp.clip(jnp.minimum(p_min + 1, kv_len) // block_k, first, last)
-        if rel:  # blocks all of whose distances reach the last bucket: a per-row constant bias
-            far_start, far_bucket = far
+        unmasked = functools.partial(body, masked=False)
+        if rel:
+            # Far blocks (every distance in the last bucket): a per-row constant bias.
             far_end = jnp.clip((p_min - far_start + 1) // block_k, first, inner)
-            far_body = functools.partial(body, masked=False, far_bias=column(far_bucket))
+            far_body = functools.partial(unmasked, bias=column(far_bucket))
             init = jax.lax.fori_loop(first, far_end, far_body, init)
-            first = far_end
-        init = jax.lax.fori_loop(first, inner, functools.partial(body, masked=False), init)
+            # Mid blocks: distances from `d_mid` on, where every bucket is at least as wide as
+            # a tile's distance span, so a tile spans at most two buckets.
+            span = block_k - 1 + p_max - p_min
+            b_mid = jnp.max(jnp.where(widths_ref[...] < span, bucket_ids + 1, 0))
+            d_mid = bound_ref[pl.ds(b_mid, 1)][0]
+            mid_end = jnp.clip((p_min - d_mid + 1) // block_k, far_end, inner)
+            mid_body = functools.partial(unmasked, bias=mid_bias)
+            init = jax.lax.fori_loop(far_end, mid_end, mid_body, init)
+            first, unmasked = mid_end, functools.partial(unmasked, bias=near_bias)
+        init = jax.lax.fori_loop(first, inner, unmasked, init)
         first = inner
-    acc, _, s = jax.lax.fori_loop(first, last, body, init)
+    masked = functools.partial(body, bias=near_bias if rel else None)
+    acc, _, s = jax.lax.fori_loop(first, last, masked, init)
     out = jnp.where(s[:, None] > 0, acc / jnp.where(s > 0, s, 1.0)[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
 
@@ -215,13 +224,16 @@ def paged_attention_tiled(
         starts = rel_bias.boundaries()
         nb = max(16, next_pow2(len(starts) + 1))  # tl.dot wants every dim >= 16
         bounds = jnp.asarray(list(starts) + [FAR] * (nb - len(starts)), jnp.int32)
+        widths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        widths = jnp.asarray(widths + [FAR] * (nb - len(widths)), jnp.int32)  # last: unbounded
         emb = pad_axis(pad_axis(rel_table, 1, rp), 0, nb)
         in_specs += [
             row_spec(rp),
             pl.BlockSpec((nb, rp), lambda b, h, i: (0, 0)),
             pl.BlockSpec((nb,), lambda b, h, i: (0,)),
+            pl.BlockSpec((nb,), lambda b, h, i: (0,)),
         ]
-        args += [fold(rel_q, rp), emb, bounds]
+        args += [fold(rel_q, rp), emb, bounds, widths]
     # Unmasked blocks first: +50% for prefill on an H200, but 1.5x slower for decode rows over
     # gathered pages (BENCHMARKS.md), which keep the one masked loop.
     split = sliding_window is None and (pages == 1 or t > 1)

@@ -7,20 +7,21 @@ is float32 throughout.
 `mamba2_step`: each program loads its head's state [P, Ns], x [P], b and c [Ns] and the scalars
 dt, a, d, and writes y [P] and the new state.
 
-`mamba2_scan`, in two parallel phases over chunks of L tokens (L = min(chunk_size, 128): the
-result does not depend on it beyond rounding). With `cum` the inclusive cumsum of `dt * a`
-within each chunk (computed in XLA, like the padding):
-  phase 1, grid (row, chunk, head), all independent: the chunk's own output and its state
-    contribution from a zero state,
-      y_c = ((c b^T) * exp(cum_i - cum_j) [j <= i] * dt_j) x + d x
-      S_c = (x * exp(cum_L - cum) dt)^T b                              ([P, Ns], float32);
-  phase 2, grid (row, head, slice of P), sequential over chunks with the state in registers:
-      y_c += exp(cum) * (c h^T),   h <- exp(cum_L) h + S_c,
-    writing y over phase 1's output in place and the final state at the end.
+`mamba2_scan` (chunks of L tokens, L = min(chunk_size, 128): the result does not depend on it
+beyond rounding). With `cum` the inclusive cumsum of `dt * a` within each chunk (computed in
+XLA, like the padding), each chunk's output and state contribution are
+      y_c = ((c b^T) * exp(cum_i - cum_j) [j <= i] * dt_j) x + d x + exp(cum) * (c h^T)
+      S_c = (x * exp(cum_L - cum) dt)^T b,      h <- exp(cum_L) h + S_c     ([P, Ns], float32).
+The registered op runs them in one pass: grid (row, head, slice of P), each program walking its
+chunks in order with h in registers (nothing but x, b, c, dt in and y, the final state out).
+The alternative (`one_pass=False`, kept for the benchmark) splits it in two phases:
+  phase 1, grid (row, chunk, head), all independent: y_c without the inflow, and S_c;
+  phase 2, grid (row, head, slice of P), sequential over chunks: adds `exp(cum) (c h^T)` to y in
+    place and carries h (S_c goes through memory: float32, B * Hs * T / L * P * Ns * 4 bytes
+    each way).
 bfloat16 inputs use the tensor cores (bf16 operands, float32 accumulation; the [L, L] scores and
 the carried state are rounded to bf16 only as matmul operands); float32 inputs multiply in full
-float32 (no TF32). HBM traffic: x, b, c and y about twice, plus the chunk states S (written and
-read once, float32: B * Hs * T / L * P * Ns * 4 bytes each way).
+float32 (no TF32).
 
 Triton on GPU: every load/store must be a power-of-two tile, so the wrapper pads P and Ns to
 powers of two and T to whole chunks (padding tokens carry dt = 0 and x = 0, which leaves the
@@ -171,7 +172,13 @@ def mamba2_scan(
     initial_state: jax.Array,
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    return mamba2_scan_tiled(x, dt, a, b, c, d, initial_state, chunk_size)
+    # The one-pass kernel with whole heads per program; chunks of 64 when there are few programs
+    # (one per row and head), 32 when there are many: fastest on an H200 (BENCHMARKS.md).
+    length = 32 if x.shape[0] * x.shape[2] >= 512 else 64
+    return mamba2_scan_tiled(
+        x, dt, a, b, c, d, initial_state, min(chunk_size, length), block_p=64, num_warps=4,
+        one_pass=True,
+    )  # fmt: skip
 
 
 def mamba2_scan_tiled(

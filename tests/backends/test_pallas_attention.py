@@ -38,6 +38,28 @@ def test_small_tiles_match_reference(block_m, block_k, window, rel):
     _check(got, ref, jnp.float32)
 
 
+@pytest.mark.parametrize("block_m,block_k", [(8, 16), (16, 32)])
+def test_long_prefill_crosses_every_bias_region(block_m, block_k):
+    # 12 buckets over distances up to 64 and a 200-token prefill: the far blocks (last bucket),
+    # the mid blocks (at most two buckets per tile), the near blocks and the diagonal all occur.
+    page, t, kv, ratio, hd = 8, 200, 1, 2, 16
+    starts, kv_len = np.array([0, 37]), np.array([t, 37 + t])
+    arrays, kv_len, rq, tab = _paged_inputs(
+        _rng("long bias", block_m, block_k), 2, t, kv * ratio, kv, hd, page, jnp.float32,
+        starts, kv_len,
+    )  # fmt: skip
+    spec = RelativeBias(num_buckets=12, num_exact=4, max_distance=64)
+    ref = jax.jit(lambda *a: get_op("paged_attention", "xla")(*a, 0.25, None, rq, tab, spec))(
+        *arrays, kv_len
+    )
+    got = jax.jit(
+        lambda *a: paged_attention_tiled(
+            *a, 0.25, None, rq, tab, spec, block_m=block_m, block_k=block_k
+        )
+    )(*arrays, kv_len)
+    _check(got, ref, jnp.float32)
+
+
 @pytest.mark.parametrize("rel", [False, True])
 @pytest.mark.parametrize("page", [16, 64])
 def test_both_page_paths_lower_to_triton(page, rel, monkeypatch):
