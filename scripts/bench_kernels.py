@@ -154,6 +154,8 @@ def torch_flash(t: int, nq: int, nkv: int, hd: int) -> float:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return 0.0
+    if not torch.cuda.is_available():
+        return 0.0
     dev = "cuda"
     q = torch.randn(1, nq, t, hd, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, nkv, t, hd, device=dev, dtype=torch.bfloat16)
@@ -229,14 +231,16 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         # (kernel, chunk, P slice, warps): the two-phase kernels, then the one-pass kernel
         variants = [("xla", 128, 0, 0), ("two-phase", 128, 32, 0), ("two-phase", 64, 32, 0)]
         variants += [("registered", 0, 0, 0)] + [("one-pass", *v) for v in SCAN_ONE_PASS]
-        for kind, chunk, bp, warps in variants:
+        for kind, chunk, bp, warps, *stages in variants:
             if kind in ("xla", "registered"):
                 backend = "xla" if kind == "xla" else "pallas"
                 fn = bind("mamba2_scan", backend, chunk or 128)
             else:
-                fn = jax.jit(lambda *z, ch=chunk, bp=bp, w=warps, k=kind: mamba2_scan_tiled(
-                    *z, ch, block_p=bp, num_warps=w or None, one_pass=k == "one-pass"))  # fmt: skip
+                tiles = dict(block_p=bp, num_warps=warps or None, one_pass=kind == "one-pass",
+                             num_stages=stages[0] if stages else None)  # fmt: skip
+                fn = jax.jit(lambda *z, ch=chunk, kw=tiles: mamba2_scan_tiled(*z, ch, **kw))
             name = f"{kind} B{bsz} T{t} chunk {chunk} p{bp} w{warps}"
+            name += f" s{stages[0]}" if stages else ""
             try:
                 out = fn(*ops)
                 ref = out if kind == "xla" else ref
@@ -276,14 +280,14 @@ def conv(bandwidth: float, args: argparse.Namespace) -> None:
         err = rel_err(outs[backend][0], outs["xla"][0])
         row("sconv", f"{backend} [{bsz},{t},{ch}] w{width}", sec,
             GBps=moved / sec / 1e9, of_bandwidth=moved / sec / bandwidth, rel_err=err)  # fmt: skip
-    for bt, bc, warps, approx in [(64, 128, 4, False)] + [(*v, True) for v in CONV_TILES]:
+    for bt, bc, warps, approx in [(64, 128, 4, False)] + [(*v, None) for v in CONV_TILES]:
         fn = jax.jit(lambda *z, bt=bt, bc=bc, w=warps, a=approx: causal_conv1d_tiled(
             *z, "silu", block_t=bt, block_c=bc, num_warps=w, approx=a))  # fmt: skip
         try:
             err = rel_err(fn(x, state, w, bias, lengths)[0], outs["xla"][0])
             sec = timed(fn, x, state, w, bias, lengths, iters=args.iters)
             gbps = moved / sec
-            silu = "tanh.approx" if approx else "exact"
+            silu = "exact" if approx is False else "auto (tanh.approx for bf16 on GPU)"
             row("sconv", f"pallas tiles {bt} x {bc} w{warps} silu {silu}", sec,
                 GBps=gbps / 1e9, of_bandwidth=gbps / bandwidth, rel_err=err)  # fmt: skip
         except Exception as exc:  # noqa: BLE001
@@ -323,17 +327,28 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["prefill", "decode", "ssm", "conv", "misc"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script")
+    tiles = "comma-separated ints, ';' between variants (replaces the built-in sweep)"
+    parser.add_argument("--prefill-tiles", help=f"page,block_m,block_k,warps,stages: {tiles}")
+    parser.add_argument("--decode-tiles", help=f"page,block_k,warps,stages: {tiles}")
+    parser.add_argument("--scan-tiles", help=f"chunk,block_p,warps,stages (one-pass): {tiles}")
+    parser.add_argument("--conv-tiles", help=f"block_t,block_c,warps: {tiles}")
     args = parser.parse_args()
     if args.smoke:
         global SMOKE
         SMOKE, args.iters = 64, 1
         args.prefill_tokens, args.decode_context = 256, 256
     # (page, block_m, block_k, warps, stages)
-    args.prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2)]
-    args.prefill_tiles += [(64, 64, 64, 4, 2), (64, 128, 64, 8, 2), (64, 128, 64, 8, 3)]
-    args.prefill_tiles += [(64, 64, 64, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 8, 2)]
-    args.decode_tiles = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 64, 8, 2)]
-    args.decode_tiles += [(64, 64, 4, 2), (64, 64, 4, 3)]
+    prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2)]
+    prefill_tiles += [(64, 64, 64, 4, 2), (64, 128, 64, 8, 2), (64, 128, 64, 8, 3)]
+    prefill_tiles += [(64, 64, 64, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 8, 2)]
+    decode_tiles = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 64, 8, 2)]
+    decode_tiles += [(64, 64, 4, 2), (64, 64, 4, 3)]
+    global SCAN_ONE_PASS, CONV_TILES
+    parse = lambda text: [tuple(int(v) for v in t.split(",")) for t in text.split(";")]  # noqa: E731
+    args.prefill_tiles = parse(args.prefill_tiles) if args.prefill_tiles else prefill_tiles
+    args.decode_tiles = parse(args.decode_tiles) if args.decode_tiles else decode_tiles
+    SCAN_ONE_PASS = parse(args.scan_tiles) if args.scan_tiles else SCAN_ONE_PASS
+    CONV_TILES = parse(args.conv_tiles) if args.conv_tiles else CONV_TILES
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     bandwidth, flops = ceilings()
     sections = {"prefill": lambda: prefill(flops, args), "decode": lambda: decode(bandwidth, args),

@@ -193,6 +193,7 @@ def mamba2_scan_tiled(
     *,
     block_p: int = 16,
     num_warps: int | None = None,
+    num_stages: int | None = None,
     one_pass: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`mamba2_scan` with explicit tiles (the benchmark sweeps them): `block_p` state rows per
@@ -244,7 +245,7 @@ def mamba2_scan_tiled(
             ],
             out_specs=(seq_tok(bp), seq_state),
             interpret=interp,
-            compiler_params=triton_params(num_warps),
+            compiler_params=triton_params(num_warps, num_stages),
             name="mamba2_one_pass",
         )(xs, dts, cum, last, bs, cs, d, h0)
         return y[:, :t, :, :p], final[:, :, :p, :ns]
