@@ -39,8 +39,8 @@ from backends.protocol import RelativeBias, get_op
 BF = jnp.bfloat16
 ROWS: list[dict] = []
 # Variant sweeps: one-pass scan (chunk, P slice, warps); sconv tiles (time rows, channels, warps)
-SCAN_ONE_PASS = [(64, 64, 4), (64, 64, 8), (32, 64, 4), (32, 64, 8), (32, 32, 4)]
-CONV_TILES = [(32, 256, 4), (128, 128, 4), (64, 128, 8), (32, 128, 4), (64, 256, 4)]
+SCAN_ONE_PASS = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)]
+CONV_TILES = [(32, 128, 2), (32, 256, 4), (128, 128, 4), (16, 256, 4)]
 SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
 
 
@@ -228,7 +228,7 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         h0 = jax.random.normal(keys[4], (bsz, nh, p, ns), jnp.float32)
         ops = (x, dt, a, b, c, d, h0)
         ref = None
-        # (kernel, chunk, P slice, warps): the two-phase kernels, then the one-pass kernel
+        # (kernel, chunk, P slice, warps[, stages]): the two-phase kernels, then the one-pass one
         variants = [("xla", 128, 0, 0), ("two-phase", 128, 32, 0), ("two-phase", 64, 32, 0)]
         variants += [("registered", 0, 0, 0)] + [("one-pass", *v) for v in SCAN_ONE_PASS]
         for kind, chunk, bp, warps, *stages in variants:
@@ -338,9 +338,8 @@ def main() -> None:
         SMOKE, args.iters = 64, 1
         args.prefill_tokens, args.decode_context = 256, 256
     # (page, block_m, block_k, warps, stages)
-    prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2)]
-    prefill_tiles += [(64, 64, 64, 4, 2), (64, 128, 64, 8, 2), (64, 128, 64, 8, 3)]
-    prefill_tiles += [(64, 64, 64, 4, 3), (64, 128, 32, 4, 3), (64, 64, 64, 8, 2)]
+    prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2), (64, 64, 64, 4, 2)]
+    prefill_tiles += [(64, 128, 64, 8, 2), (64, 64, 32, 4, 2), (64, 128, 32, 4, 3)]
     decode_tiles = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 2), (16, 64, 8, 2)]
     decode_tiles += [(64, 64, 4, 2), (64, 64, 4, 3)]
     global SCAN_ONE_PASS, CONV_TILES

@@ -172,12 +172,13 @@ def mamba2_scan(
     initial_state: jax.Array,
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    # The one-pass kernel with whole heads per program; chunks of 64 when there are few programs
-    # (one per row and head), 32 when there are many: fastest on an H200 (BENCHMARKS.md).
-    length = 32 if x.shape[0] * x.shape[2] >= 512 else 64
+    # The one-pass kernel, whole heads per program, chunks of 64; 2 pipeline stages when there
+    # are many programs (one per row and head), 3 when there are few: fastest on an H200
+    # (BENCHMARKS.md).
+    stages = 2 if x.shape[0] * x.shape[2] >= 512 else 3
     return mamba2_scan_tiled(
-        x, dt, a, b, c, d, initial_state, min(chunk_size, length), block_p=64, num_warps=4,
-        one_pass=True,
+        x, dt, a, b, c, d, initial_state, min(chunk_size, 64), block_p=64, num_warps=4,
+        num_stages=stages, one_pass=True,
     )  # fmt: skip
 
 
