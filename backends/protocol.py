@@ -48,6 +48,17 @@ class GatedRmsNorm(Protocol):
         """
 
 
+STATE_LAYOUTS = ("DS", "SD")  # conv state: channel-major [B, C, W-1] or token-major [B, W-1, C]
+
+
+def conv_state_to_ds(state: Array, layout: str) -> Array:
+    """A conv state in `layout` as DS ([B, C, W-1]), the layout the kernels compute in; its own
+    inverse (SD <-> DS is a swap of the last two axes)."""
+    if layout not in STATE_LAYOUTS:
+        raise ValueError(f"conv state_layout must be one of {STATE_LAYOUTS}, got {layout!r}")
+    return state if layout == "DS" else jax.numpy.swapaxes(state, 1, 2)
+
+
 class CausalConv1d(Protocol):
     def __call__(
         self,
@@ -57,6 +68,7 @@ class CausalConv1d(Protocol):
         bias: Array | None,
         lengths: Array,
         activation: str | None,
+        state_layout: str = "DS",
     ) -> tuple[Array, Array]:
         """Causal depthwise conv over a chunk that continues from `state`.
 
@@ -65,7 +77,8 @@ class CausalConv1d(Protocol):
 
         Args:
           x: [B, T, C]; rows are valid for their first `lengths[b]` tokens (the rest is padding).
-          state: [B, C, W-1], the W-1 raw inputs before x (DS layout: channel-major).
+          state: [B, C, W-1], the W-1 raw inputs before x (DS layout: channel-major), or
+            [B, W-1, C] with `state_layout="SD"`; new_state comes back in the same layout.
           weight: [C, W] (tap W-1 multiplies the current token). bias: [C] or None.
           lengths: [B] int32, valid tokens per row (0 <= lengths <= T).
         Returns:
@@ -76,9 +89,16 @@ class CausalConv1d(Protocol):
 
 class CausalConv1dStep(Protocol):
     def __call__(
-        self, x: Array, state: Array, weight: Array, bias: Array | None, activation: str | None
+        self,
+        x: Array,
+        state: Array,
+        weight: Array,
+        bias: Array | None,
+        activation: str | None,
+        state_layout: str = "DS",
     ) -> tuple[Array, Array]:
-        """One-token causal conv update. x: [B, C]; state: [B, C, W-1].
+        """One-token causal conv update. x: [B, C]; state: [B, C, W-1] (or [B, W-1, C] with
+        `state_layout="SD"`, also for the new state).
 
         Returns: y [B, C], new_state [B, C, W-1] (state shifted left by one, x appended).
         """

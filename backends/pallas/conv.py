@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from backends.pallas._common import interpret, next_pow2, pad_axis, round_up, triton_params
-from backends.protocol import register
+from backends.protocol import conv_state_to_ds, register
 
 F32 = jnp.float32
 BLOCK_T = 64  # chunk kernel: time rows per program
@@ -150,8 +150,12 @@ def causal_conv1d(
     bias: jax.Array | None,
     lengths: jax.Array,
     activation: str | None,
+    state_layout: str = "DS",
 ) -> tuple[jax.Array, jax.Array]:
-    return causal_conv1d_tiled(x, state, weight, bias, lengths, activation)
+    # The kernel reads DS; an SD state ([B, W-1, C], a few KB per row) is transposed around it.
+    state = conv_state_to_ds(state, state_layout)
+    y, new_state = causal_conv1d_tiled(x, state, weight, bias, lengths, activation)
+    return y, conv_state_to_ds(new_state, state_layout)
 
 
 def causal_conv1d_tiled(
@@ -228,7 +232,9 @@ def causal_conv1d_step(
     weight: jax.Array,
     bias: jax.Array | None,
     activation: str | None,
+    state_layout: str = "DS",
 ) -> tuple[jax.Array, jax.Array]:
+    state = conv_state_to_ds(state, state_layout)
     bsz, ch = x.shape
     width = _check(weight, activation)
     bc = min(next_pow2(ch), MAX_BLOCK_C)
@@ -257,4 +263,4 @@ def causal_conv1d_step(
         compiler_params=triton_params(),
         name="causal_conv1d_step",
     )(pad_axis(x, 1, cp), pad_axis(state, 1, cp), w_t, b[None, :])
-    return y[:, :ch], s[:, :ch]
+    return y[:, :ch], conv_state_to_ds(s[:, :ch], state_layout)

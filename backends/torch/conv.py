@@ -6,7 +6,7 @@ import jax
 import torch
 import torch.nn.functional as F
 
-from backends.protocol import register
+from backends.protocol import conv_state_to_ds, register
 from backends.torch.bridge import call
 
 
@@ -26,8 +26,10 @@ def causal_conv1d(
     bias: jax.Array | None,
     lengths: jax.Array,
     activation: str | None,
+    state_layout: str = "DS",
 ) -> tuple[jax.Array, jax.Array]:
     _activate(torch.zeros(()), activation)  # reject an unknown activation at trace time
+    state = conv_state_to_ds(state, state_layout)
     width = weight.shape[1]
 
     def fn(xt, st, wt, bt, lt):
@@ -47,7 +49,8 @@ def causal_conv1d(
         return y, new_state.transpose(1, 2).to(st.dtype)
 
     specs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype))
-    return call(fn, specs, x, state, weight, bias, lengths)
+    y, new_state = call(fn, specs, x, state, weight, bias, lengths)
+    return y, conv_state_to_ds(new_state, state_layout)
 
 
 @register("causal_conv1d_step", "torch")
@@ -57,8 +60,10 @@ def causal_conv1d_step(
     weight: jax.Array,
     bias: jax.Array | None,
     activation: str | None,
+    state_layout: str = "DS",
 ) -> tuple[jax.Array, jax.Array]:
     _activate(torch.zeros(()), activation)
+    state = conv_state_to_ds(state, state_layout)
 
     def fn(xt, st, wt, bt):
         window = torch.cat([st.to(xt.dtype), xt[:, :, None]], dim=2)  # [B, C, W]
@@ -68,4 +73,5 @@ def causal_conv1d_step(
         return _activate(y, activation).to(xt.dtype), window[:, :, 1:].to(st.dtype)
 
     specs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype))
-    return call(fn, specs, x, state, weight, bias)
+    y, new_state = call(fn, specs, x, state, weight, bias)
+    return y, conv_state_to_ds(new_state, state_layout)

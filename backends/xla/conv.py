@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from backends.protocol import register
+from backends.protocol import conv_state_to_ds, register
 
 
 def _activate(y: jax.Array, activation: str | None) -> jax.Array:
@@ -24,7 +24,9 @@ def causal_conv1d(
     bias: jax.Array | None,
     lengths: jax.Array,
     activation: str | None,
+    state_layout: str = "DS",
 ) -> tuple[jax.Array, jax.Array]:
+    state = conv_state_to_ds(state, state_layout)
     _, t, _ = x.shape
     width = weight.shape[1]
     # u: [B, W-1+T, C], the carried inputs followed by the chunk.
@@ -38,7 +40,7 @@ def causal_conv1d(
     # The new state is the W-1 inputs ending at the last valid token of each row.
     idx = lengths[:, None] + jnp.arange(width - 1)[None, :]  # [B, W-1] into u
     new_state = jnp.take_along_axis(u, idx[:, :, None], axis=1)
-    return y, jnp.swapaxes(new_state, 1, 2).astype(state.dtype)
+    return y, conv_state_to_ds(jnp.swapaxes(new_state, 1, 2).astype(state.dtype), state_layout)
 
 
 @register("causal_conv1d_step", "xla")
@@ -48,9 +50,12 @@ def causal_conv1d_step(
     weight: jax.Array,
     bias: jax.Array | None,
     activation: str | None,
+    state_layout: str = "DS",
 ) -> tuple[jax.Array, jax.Array]:
+    state = conv_state_to_ds(state, state_layout)
     window = jnp.concatenate([state.astype(x.dtype), x[:, :, None]], axis=2)  # [B, C, W]
     y = jnp.sum(window.astype(jnp.float32) * weight.astype(jnp.float32), axis=2)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return _activate(y, activation).astype(x.dtype), window[:, :, 1:].astype(state.dtype)
+    new_state = conv_state_to_ds(window[:, :, 1:].astype(state.dtype), state_layout)
+    return _activate(y, activation).astype(x.dtype), new_state

@@ -130,6 +130,12 @@ def test_causal_conv1d(backend, width, t, dtype):
         np.testing.assert_array_equal(
             np.asarray(s[2], np.float32), np.asarray(state[2], np.float32)
         )
+    # The SD state layout ([B, W-1, C]): the same results, the new state also in SD.
+    y_sd, s_sd = jax.jit(lambda *a: op(*a, None, "SD"))(
+        x, jnp.swapaxes(state, 1, 2), w, None, jnp.asarray(lengths)
+    )
+    _check(y_sd, y, dtype, mask=valid)
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(s_sd, 1, 2)), np.asarray(s))
 
 
 @pytest.mark.parametrize("dtype", FP_DTYPES)
@@ -150,6 +156,19 @@ def test_causal_conv1d_step(backend, width, dtype):
         (y_ref, s_ref), (y, s) = call(ref_op), call(op)
         _check(y, y_ref, dtype)
         _check(s, s_ref, dtype)
+    # The SD state layout ([B, W-1, C]): the same results, the new state also in SD.
+    y_sd, s_sd = jax.jit(lambda *a: op(*a, None, None, "SD"))(x, jnp.swapaxes(state, 1, 2), w)
+    _check(y_sd, y, dtype)
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(s_sd, 1, 2)), np.asarray(s))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conv_rejects_an_unknown_state_layout(backend):
+    x, state, w = jnp.ones((2, 3, 4)), jnp.ones((2, 4, 2)), jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="state_layout"):
+        get_op("causal_conv1d", backend)(x, state, w, None, jnp.array([3, 1]), None, "DSX")
+    with pytest.raises(ValueError, match="state_layout"):
+        get_op("causal_conv1d_step", backend)(x[:, 0], state, w, None, None, "sd")
 
 
 # --- Mamba2 --------------------------------------------------------------------------------
