@@ -224,6 +224,25 @@ class GroupedMatmul(Protocol):
         """
 
 
+class Nvfp4GroupedMatmul(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        codes: Array,
+        scales: Array,
+        tensor_scale: Array,
+        group_sizes: Array,
+    ) -> Array:
+        """`grouped_matmul` with NVFP4 expert weights (`backends.nvfp4`: e2m1 codes, an e4m3
+        scale per 16 rows, a float32 scale per expert), equal to dequantising the weights to
+        x's dtype and multiplying.
+
+        Args: x [M, K] (K a multiple of 32); codes uint8 [E, K/2, N]; scales float8_e4m3fn
+        [E, K/16, N]; tensor_scale float32 [E]; group_sizes [E] int32 summing to M.
+        Returns: [M, N] in x's dtype (rows past sum(group_sizes) are zero).
+        """
+
+
 OP_SIGNATURES: dict[str, type] = {
     "rms_norm": RmsNorm,
     "gated_rms_norm": GatedRmsNorm,
@@ -233,6 +252,7 @@ OP_SIGNATURES: dict[str, type] = {
     "mamba2_step": Mamba2Step,
     "paged_attention": PagedAttention,
     "grouped_matmul": GroupedMatmul,
+    "nvfp4_grouped_matmul": Nvfp4GroupedMatmul,
 }
 
 BACKENDS = ("xla", "pallas", "torch")
@@ -264,6 +284,7 @@ class Ops:
     mamba2_step: Mamba2Step
     paged_attention: PagedAttention
     grouped_matmul: GroupedMatmul
+    nvfp4_grouped_matmul: Nvfp4GroupedMatmul
 
 
 def _import_backend(backend: str) -> None:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from backends import nvfp4
 from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
 
@@ -39,6 +40,17 @@ MAX_BLOCK_K = 64
 
 def _block(n: int, cap: int) -> int:
     return min(max(next_pow2(n), MIN_BLOCK), cap)
+
+
+def _row_experts(group_sizes: jax.Array, mp: int, tm: int, n_exp: int):
+    """Expert of each (padded) row (E for rows past sum(group_sizes), which no expert owns) and
+    each row tile's first and last expert, clipped to E - 1."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row_expert = jnp.searchsorted(ends, jnp.arange(mp, dtype=jnp.int32), side="right")
+    tiles = row_expert.astype(jnp.int32).reshape(mp // tm, tm)
+    first = jnp.minimum(tiles[:, 0], n_exp - 1)
+    last = jnp.minimum(tiles[:, -1], n_exp - 1)
+    return tiles.reshape(mp), first, last
 
 
 def _gmm_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, o_ref, *, n_k, tk):
@@ -70,13 +82,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
         return jnp.zeros((m, dout), dtype)
     tm, tn, tk = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N), _block(din, MAX_BLOCK_K)
     mp, np_, kp = round_up(m, tm), round_up(dout, tn), round_up(max(din, 1), tk)
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    # Expert of each (padded) row: E for rows past sum(group_sizes), which no expert owns.
-    row_expert = jnp.searchsorted(ends, jnp.arange(mp, dtype=jnp.int32), side="right")
-    row_expert = row_expert.astype(jnp.int32)
-    tiles = row_expert.reshape(mp // tm, tm)
-    first = jnp.minimum(tiles[:, 0], n_exp - 1)
-    last = jnp.minimum(tiles[:, -1], n_exp - 1)
+    row_expert, first, last = _row_experts(group_sizes, mp, tm, n_exp)
     xs = pad_axis(pad_axis(x.astype(dtype), 0, mp), 1, kp)
     ws = pad_axis(pad_axis(w.astype(dtype), 1, kp), 2, np_)
     kernel = functools.partial(_gmm_kernel, n_k=kp // tk, tk=tk)
@@ -96,4 +102,87 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
         compiler_params=triton_params(),
         name="grouped_matmul",
     )(first, last, row_expert, xs, ws)
+    return out[:m, :dout]
+
+
+def _e4m3_value(bits: jax.Array) -> jax.Array:
+    """float32 value of float8_e4m3fn bit patterns (non-negative scales; NaN never occurs), by
+    building the float32 bits (no float8 loads in the kernel)."""
+    bits = bits.astype(jnp.int32)
+    exp, man = (bits >> 3) & 15, bits & 7
+    normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), F32)
+    return jnp.where(exp == 0, man.astype(F32) * (2.0**-9), normal)
+
+
+def _nvfp4_kernel(first_ref, last_ref, eid_ref, x_ref, c_ref, s_ref, t_ref, o_ref, *, n_k):
+    """Like `_gmm_kernel`, over 32-row K blocks of NVFP4 weights: each block's two nibble
+    planes are decoded to [16, TN] tiles, scaled (`(e2m1 * scale) * tensor_scale`, float32,
+    then x's dtype, as the reference dequantises) and multiplied with their 16 columns of x."""
+    row_expert = eid_ref[...]  # [TM]
+    half = nvfp4.BLOCK // 2
+
+    def expert(e, acc):
+        mine = (row_expert == e)[:, None]
+        tensor_scale = t_ref[pl.ds(e, 1)].reshape(1, 1)
+
+        def k_step(j, acc):
+            packed = c_ref[e, pl.ds(pl.multiple_of(j * half, half), half), :]  # [16, TN]
+            for plane, code in enumerate((packed & 15, packed >> 4)):
+                scale = _e4m3_value(s_ref[e, pl.ds(2 * j + plane, 1), :])  # [1, TN]
+                w = (nvfp4.e2m1_value(code) * scale * tensor_scale).astype(x_ref.dtype)
+                start = pl.multiple_of(j * nvfp4.BLOCK + plane * half, half)
+                xk = x_ref[:, pl.ds(start, half)]  # [TM, 16]
+                acc = acc + dot(jnp.where(mine, xk, jnp.zeros_like(xk)), w)
+            return acc
+
+        return jax.lax.fori_loop(0, n_k, k_step, acc)
+
+    acc = jax.lax.fori_loop(first_ref[0], last_ref[0] + 1, expert, jnp.zeros(o_ref.shape, F32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@register("nvfp4_grouped_matmul", "pallas")
+def nvfp4_grouped_matmul(
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    tensor_scale: jax.Array,
+    group_sizes: jax.Array,
+) -> jax.Array:
+    m, k = x.shape
+    n_exp, _, dout = codes.shape
+    if k % nvfp4.BLOCK:
+        raise ValueError(f"NVFP4 needs K to be a multiple of {nvfp4.BLOCK}, got {k}")
+    if m == 0 or dout == 0 or n_exp == 0:
+        return jnp.zeros((m, dout), x.dtype)
+    tm, tn = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N)
+    mp, np_ = round_up(m, tm), round_up(dout, tn)
+    row_expert, first, last = _row_experts(group_sizes, mp, tm, n_exp)
+    scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    out = pl.pallas_call(
+        functools.partial(_nvfp4_kernel, n_k=k // nvfp4.BLOCK),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        grid=(mp // tm, np_ // tn),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((tm,), lambda i, j: (i,)),
+            pl.BlockSpec((tm, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((n_exp, k // 2, tn), lambda i, j: (0, 0, j)),
+            pl.BlockSpec((n_exp, k // nvfp4.GROUP, tn), lambda i, j: (0, 0, j)),
+            pl.BlockSpec((n_exp,), lambda i, j: (0,)),
+        ],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        interpret=interpret(),
+        compiler_params=triton_params(),
+        name="nvfp4_grouped_matmul",
+    )(
+        first,
+        last,
+        row_expert,
+        pad_axis(x, 0, mp),
+        pad_axis(codes, 2, np_),
+        pad_axis(scale_bits, 2, np_),
+        tensor_scale.astype(F32),
+    )
     return out[:m, :dout]
