@@ -14,7 +14,7 @@ from typing import Any
 
 LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
-ROUTERS = ("sigmoid_group", "softmax_topk")
+ROUTERS = ("sigmoid_group", "softmax_topk", "softmax_sink")
 
 
 class ConfigError(ValueError):
@@ -112,6 +112,9 @@ class MoeConfig:
     group-limited top-k, optional renormalisation, `routed_scaling_factor`. `"softmax_topk"`
     (granitemoehybrid): top-k of the raw logits, softmax over those k. A shared expert of width
     `shared_intermediate_size` (0 = none) always runs on the un-projected input.
+    `"softmax_sink"` (the expert sink): one softmax over the routed and `num_shared_experts`
+    shared experts' logits, top-k among the routed only, no renormalisation; the shared experts
+    always run, weighted by their own probabilities (see `layers.moe.route_sink`).
     """
 
     num_experts: int
@@ -127,9 +130,21 @@ class MoeConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     latent_size: int | None = None
+    num_shared_experts: int = 1
 
     def __post_init__(self) -> None:
         _require(self.router in ROUTERS, f"unknown MoE router {self.router!r}")
+        if self.router == "softmax_sink":
+            _require(
+                self.num_shared_experts >= 1 and self.shared_intermediate_size > 0,
+                "the expert sink needs shared experts (num_shared_experts >= 1 and "
+                "shared_intermediate_size > 0)",
+            )
+        else:
+            _require(
+                self.num_shared_experts == 1,
+                f"router {self.router!r} has at most one shared expert (num_shared_experts=1)",
+            )
         _require(self.activation in ACTIVATIONS, f"unknown MoE activation {self.activation!r}")
         _require(
             0 < self.top_k <= self.num_experts,

@@ -6,8 +6,12 @@ Routers (scores over E experts for a token u):
     scores and only the best `topk_group` groups compete; `w_j = s_j / sum_k s_k` over the chosen
     top-k (when norm_topk_prob), times `routed_scaling_factor`.
   softmax_topk (granitemoehybrid): top-k of the raw logits `u W_r`, `w = softmax` over those k.
+  softmax_sink (the expert sink): `p = softmax(u W_r)` over the E routed and S shared experts
+    together; top-k among the routed only, `w_j = p_j` (no renormalisation: the routed weights
+    sum to at most `1 - sum_s p_s`, the mass the shared experts absorb).
 Output: `fc2(sum_j w_j expert_j(fc1 u)) + shared(u)` (fc1/fc2: the optional latent projection;
-the shared expert reads the un-projected u).
+the shared expert reads the un-projected u); with the sink, `shared(u) = sum_s p_s shared_s(u)`
+(every shared expert always runs).
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ def route(cfg: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[ja
     return weights * cfg.routed_scaling_factor, ids
 
 
+def route_sink(cfg: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Expert sink. Logits [M, E + S] (routed first, float32) -> (routed weights [M, k], expert
+    ids [M, k] < E, shared weights [M, S]), all softmax probabilities over the E + S experts."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs[:, : cfg.num_experts], cfg.top_k)
+    return weights, ids, probs[:, cfg.num_experts :]
+
+
 class Moe(nnx.Module):
     """Routed experts plus an always-on shared expert (see the module docstring)."""
 
@@ -53,7 +65,9 @@ class Moe(nnx.Module):
     ) -> None:
         e, f = cfg.num_experts, cfg.intermediate_size
         din = cfg.latent_size or hidden
-        self.router = param(rngs, (hidden, e), ("embed", None), jnp.float32, fan_in=hidden)
+        sink = cfg.router == "softmax_sink"
+        scored = e + cfg.num_shared_experts if sink else e  # the sink scores the shared experts
+        self.router = param(rngs, (hidden, scored), ("embed", None), jnp.float32, fan_in=hidden)
         self.router_bias = (
             param(None, (e,), (None,), jnp.float32, init="zeros")
             if cfg.router == "sigmoid_group"
@@ -76,9 +90,17 @@ class Moe(nnx.Module):
                 dtype=dtype,
                 rngs=rngs,
             )
-            if cfg.shared_intermediate_size
+            if cfg.shared_intermediate_size and not sink
             else None
         )
+        # The sink's shared experts, stacked: [S, D, Fs] / [S, Fs, D].
+        fs, ns = cfg.shared_intermediate_size, cfg.num_shared_experts
+        stacked_in, stacked_out = (None, "embed", "mlp"), (None, "mlp", "embed")
+        self.sink_up = param(rngs, (ns, hidden, fs), stacked_in, dtype, hidden) if sink else None
+        self.sink_gate = (
+            param(rngs, (ns, hidden, fs), stacked_in, dtype, hidden) if sink and cfg.gated else None
+        )
+        self.sink_down = param(rngs, (ns, fs, hidden), stacked_out, dtype, fs) if sink else None
         self.cfg = cfg
         self.ops = ops
 
@@ -88,7 +110,10 @@ class Moe(nnx.Module):
         x = u.reshape(-1, shape[-1])  # [M, D]
         logits = x.astype(jnp.float32) @ self.router[...]
         bias = None if self.router_bias is None else self.router_bias[...]
-        weights, ids = route(cfg, logits, bias)
+        if cfg.router == "softmax_sink":
+            weights, ids, sink = route_sink(cfg, logits)
+        else:
+            weights, ids = route(cfg, logits, bias)
         h = self.fc1_latent(x) if self.fc1_latent is not None else x
         flat = ids.reshape(-1)
         order = jnp.argsort(flat)
@@ -107,4 +132,18 @@ class Moe(nnx.Module):
             routed = self.fc2_latent(routed)
         if self.shared is not None:
             routed = routed + self.shared(x)
+        if self.sink_up is not None:
+            routed = routed + self._sink_experts(x, sink).astype(routed.dtype)
         return routed.reshape(shape)
+
+    def _sink_experts(self, x: jax.Array, sink: jax.Array) -> jax.Array:
+        """`sum_s p_s shared_s(x)`: every shared expert on every token, weighted by its
+        probability. x [M, D], sink [M, S] -> [M, D] float32."""
+        h = jnp.einsum("md,sdf->msf", x, self.sink_up[...])
+        if self.sink_gate is not None:
+            gate = jnp.einsum("md,sdf->msf", x, self.sink_gate[...])
+            h = activation(self.cfg.activation, gate) * h
+        else:
+            h = activation(self.cfg.activation, h)
+        out = jnp.einsum("msf,sfd->msd", h, self.sink_down[...]).astype(jnp.float32)
+        return jnp.einsum("msd,ms->md", out, sink)
