@@ -62,7 +62,10 @@ class MambaConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """GQA attention. `scale=None` means `head_dim ** -0.5`; `rope_theta=None` means no RoPE
-    (NoPE); RoPE rotates the first `rotary_dim` channels of each head."""
+    (NoPE); RoPE rotates the first `rotary_dim` channels of each head. `rel_dim` (None: none)
+    adds a learned relative-position term to the logits: an r projection gives each query head
+    a `rel_dim` vector, dotted with a table of `rel_buckets` distance embeddings (`rel_exact`
+    exact distances, then log-spaced buckets up to `rel_max_distance`, the last bucket open)."""
 
     num_heads: int
     num_kv_heads: int
@@ -72,8 +75,20 @@ class AttentionConfig:
     rope_theta: float | None = None
     rotary_dim: int | None = None
     sliding_window: int | None = None
+    rel_dim: int | None = None
+    rel_buckets: int = 32
+    rel_exact: int = 16
+    rel_max_distance: int = 4096
 
     def __post_init__(self) -> None:
+        if self.rel_dim is not None:
+            _require(self.rel_dim > 0, f"rel_dim must be > 0, got {self.rel_dim}")
+            _require(
+                0 < self.rel_exact <= self.rel_buckets
+                and (self.rel_exact == self.rel_buckets or self.rel_max_distance > self.rel_exact),
+                f"relative buckets: need 0 < rel_exact ({self.rel_exact}) <= rel_buckets "
+                f"({self.rel_buckets}) and rel_max_distance ({self.rel_max_distance}) > rel_exact",
+            )
         _require(
             self.num_heads % self.num_kv_heads == 0,
             f"num_attention_heads ({self.num_heads}) must be a multiple of "

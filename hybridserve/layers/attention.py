@@ -1,4 +1,5 @@
-"""GQA attention with an incremental KV cache; NoPE or (partial) RoPE."""
+"""GQA attention with an incremental KV cache; NoPE or (partial) RoPE; an optional learned
+relative-position term ("qkvr")."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from backends.protocol import Ops
+from backends.protocol import Ops, RelativeBias
 from hybridserve.config import AttentionConfig
 from hybridserve.layers.cache_view import kv_pages, write_kv
-from hybridserve.layers.linear import Einsum
+from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput
 
@@ -17,7 +18,15 @@ from hybridserve.layers.step_input import StepInput
 class Attention(nnx.Module):
     """`softmax(q k^T * scale + causal mask) v` over the cached and new keys, K kv heads shared
     by N/K query heads each. The KV cache is the layer's region, read and written through the
-    request's block table (see `cache_view`)."""
+    request's block table (see `cache_view`).
+
+    With a relative term (`rel_dim` R), query head n of token i also gets `r_n(i) = x_i W_r[n]`
+    ([R]) and the logit of key j becomes
+      `l[n, i, j] = scale * q_n(i) . k(j) + r_n(i) . E[bucket(i - j)]`,
+    E the layer's learned table [rel_buckets, R]; `bucket` is `RelativeBias` (distances below
+    `rel_exact` exact, then log-spaced starts up to `rel_max_distance`, the last bucket open).
+    The kernels compute `r . E^T` per query tile and add it along the shear (never a [T, S]
+    array)."""
 
     def __init__(
         self,
@@ -34,6 +43,13 @@ class Attention(nnx.Module):
         self.k_proj = Einsum("btd,dkh->btkh", (hidden, k, h), ("embed", "kv_heads", None), **kw)
         self.v_proj = Einsum("btd,dkh->btkh", (hidden, k, h), ("embed", "kv_heads", None), **kw)
         self.o_proj = Einsum("btnh,nhd->btd", (n, h, hidden), ("heads", None, "embed"), **kw)
+        if cfg.rel_dim is not None:
+            r = cfg.rel_dim
+            self.r_proj = Einsum("btd,dnr->btnr", (hidden, n, r), ("embed", "heads", None), **kw)
+            self.rel_table = param(rngs, (cfg.rel_buckets, r), (None, None), dtype, fan_in=r)
+            self.rel_bias = RelativeBias(cfg.rel_buckets, cfg.rel_exact, cfg.rel_max_distance)
+        else:
+            self.r_proj = self.rel_table = self.rel_bias = None
         self.cfg = cfg
         self.ops = ops
 
@@ -52,6 +68,9 @@ class Attention(nnx.Module):
         k, v = k.astype(acc.dtype), v.astype(acc.dtype)
         region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
         k_pages, v_pages = kv_pages(region, acc, tp)
+        rel = (None, None, None)
+        if self.r_proj is not None:
+            rel = (self.r_proj(x), self.rel_table[...], self.rel_bias)
         out = self.ops.paged_attention(
             q,
             k_pages,
@@ -61,5 +80,6 @@ class Attention(nnx.Module):
             inputs.kv_lengths,
             self.cfg.softmax_scale,
             self.cfg.sliding_window,
+            *rel,
         )
         return self.o_proj(out), region
