@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
+LAYER_KINDS = ("mamba", "attention", "sliding_attention", "mlp", "moe")
 ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
 ROUTERS = ("sigmoid_group", "softmax_topk", "softmax_sink")
 
@@ -62,7 +62,9 @@ class MambaConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """GQA attention. `scale=None` means `head_dim ** -0.5`; `rope_theta=None` means no RoPE
-    (NoPE); RoPE rotates the first `rotary_dim` channels of each head. `rel_dim` (None: none)
+    (NoPE); RoPE rotates the first `rotary_dim` channels of each head. `sliding_window` is the
+    window of the `sliding_attention` layers (`attention` layers see every earlier token; both
+    kinds share the other fields). `rel_dim` (None: none)
     adds a learned relative-position term to the logits: an r projection gives each query head
     a `rel_dim` vector, dotted with a table of `rel_buckets` distance embeddings (`rel_exact`
     exact distances, then log-spaced buckets up to `rel_max_distance`, the last bucket open)."""
@@ -211,6 +213,8 @@ class ModelConfig:
         _require(len(self.layer_types) > 0, "the layer pattern is empty")
         _require(self.ffn in (None, "mlp", "moe"), f"ffn must be None, 'mlp' or 'moe': {self.ffn}")
         needs = set(self.layer_types) | ({self.ffn} if self.ffn else set())
+        if "sliding_attention" in needs:
+            needs.add("attention")
         for kind in ("attention", "mamba", "mlp", "moe"):
             if kind in needs:
                 _require(
@@ -218,6 +222,21 @@ class ModelConfig:
                     f"the layer pattern uses {kind!r} layers but the {kind} config is missing",
                 )
         _require(self.vocab_size > 0 and self.hidden_size > 0, "vocab_size/hidden_size must be > 0")
+        if self.attention is not None:
+            sliding = "sliding_attention" in self.layer_types
+            window = self.attention.sliding_window
+            _require(
+                sliding == (window is not None),
+                "sliding_attention layers need attention.sliding_window, and a sliding_window "
+                "needs sliding_attention layers (attention layers are full)",
+            )
+            _require(window is None or window > 0, f"sliding_window must be > 0, got {window}")
+
+    def window(self, index: int) -> int | None:
+        """The attention window of layer `index` (None: full attention or not attention)."""
+        if self.layer_types[index] == "sliding_attention":
+            return self.attention.sliding_window
+        return None
 
     @property
     def num_layers(self) -> int:
@@ -225,8 +244,9 @@ class ModelConfig:
 
     @property
     def pattern(self) -> str:
-        """The layer pattern in Nemotron-H letters: M mamba, * attention, - mlp, E moe."""
-        letters = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+        """The layer pattern in Nemotron-H letters: M mamba, * attention, - mlp, E moe; and S
+        sliding-window attention."""
+        letters = {"mamba": "M", "attention": "*", "sliding_attention": "S", "mlp": "-", "moe": "E"}
         return "".join(letters[k] for k in self.layer_types)
 
     def to_dict(self) -> dict[str, Any]:

@@ -178,10 +178,12 @@ def conv_layout(explicit: str | None = None) -> str:
     return layout
 
 
-def attention_spec(cfg: AttentionConfig, tp: int, dtype: str) -> FullAttentionSpec:
+def attention_spec(
+    cfg: AttentionConfig, tp: int, dtype: str, window: int | None = None
+) -> FullAttentionSpec:
     heads = replicated_size(cfg.num_kv_heads, tp, "num_key_value_heads")
-    if cfg.sliding_window is not None:
-        return SlidingWindowSpec(heads, cfg.head_dim, dtype, sliding_window=cfg.sliding_window)
+    if window is not None:
+        return SlidingWindowSpec(heads, cfg.head_dim, dtype, sliding_window=window)
     return FullAttentionSpec(heads, cfg.head_dim, dtype)
 
 
@@ -219,9 +221,9 @@ def layer_specs(
 ) -> list[Spec | None]:
     """The spec of every layer (None for layers without cache: mlp, moe)."""
     specs: list[Spec | None] = []
-    for kind in cfg.layer_types:
-        if kind == "attention":
-            specs.append(attention_spec(cfg.attention, tp, kv_dtype))
+    for index, kind in enumerate(cfg.layer_types):
+        if kind in ("attention", "sliding_attention"):
+            specs.append(attention_spec(cfg.attention, tp, kv_dtype, cfg.window(index)))
         elif kind == "mamba":
             specs.append(mamba_spec(cfg.mamba, tp, conv_dtype, ssm_dtype, layout))
         else:

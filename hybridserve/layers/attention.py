@@ -34,9 +34,11 @@ class Attention(nnx.Module):
         cfg: AttentionConfig,
         ops: Ops,
         *,
+        window: int | None = None,
         dtype: jnp.dtype,
         rngs: nnx.Rngs | None,
     ) -> None:
+        """`window`: keys at distance < window only (a sliding-window layer); None: all."""
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=dtype, rngs=rngs, bias=cfg.bias)
         self.q_proj = Einsum("btd,dnh->btnh", (hidden, n, h), ("embed", "heads", None), **kw)
@@ -51,6 +53,7 @@ class Attention(nnx.Module):
         else:
             self.r_proj = self.rel_table = self.rel_bias = None
         self.cfg = cfg
+        self.window = window
         self.ops = ops
 
     def __call__(
@@ -79,7 +82,7 @@ class Attention(nnx.Module):
             inputs.positions,
             inputs.kv_lengths,
             self.cfg.softmax_scale,
-            self.cfg.sliding_window,
+            self.window,
             *rel,
         )
         return self.o_proj(out), region

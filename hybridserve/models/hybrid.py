@@ -43,8 +43,8 @@ class Block(nnx.Module):
         self.norm = RMSNorm(d, cfg.norm_eps, ops, dtype=dtype)
         if kind == "mamba":
             self.mixer = Mamba2(d, cfg.mamba, cfg.norm_eps, ops, **kw)
-        elif kind == "attention":
-            self.mixer = Attention(d, cfg.attention, ops, **kw)
+        elif kind in ("attention", "sliding_attention"):
+            self.mixer = Attention(d, cfg.attention, ops, window=cfg.window(index), **kw)
         elif kind == "mlp":
             self.mixer = Mlp(d, cfg.mlp, **kw)
         else:
@@ -61,7 +61,7 @@ class Block(nnx.Module):
     def __call__(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
         """Replaces this layer's region in `regions` (a Python list) when the mixer is cached."""
         x = self.norm(h)
-        if self.kind in ("mamba", "attention"):
+        if self.kind in ("mamba", "attention", "sliding_attention"):
             r = inputs.layout.layers[self.index].region
             x, regions[r] = self.mixer(x, regions[r], inputs, self.index)
         else:

@@ -186,7 +186,7 @@ def hf_sources(cfg: ModelConfig) -> dict[str, list[Source]]:
             mixer = f"{hf}.mamba" if kind == "mamba" else f"{hf}.self_attn"
         if kind == "mamba":
             _mamba(table, cfg, f"{ours}.mixer", mixer)
-        elif kind == "attention":
+        elif kind in ("attention", "sliding_attention"):
             _attention(table, cfg, f"{ours}.mixer", mixer)
         elif kind == "mlp":
             _mlp(table, f"{ours}.mixer", mixer, cfg.mlp.gated, cfg.mlp.bias)

@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 from backends.protocol import load_ops
+from hybridserve import LLM, SamplingParams
 from hybridserve.api import DEFAULT_MODEL
-from hybridserve.config import CacheConfig, ModelConfig
+from hybridserve.config import CacheConfig, ConfigError, ModelConfig
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.runner.factory import make_runner
 from hybridserve.weights.loader import read_config, save_converted
@@ -23,8 +24,10 @@ BUCKETS, EXACT, MAX_DIST = 12, 4, 24
 
 
 def _config(window: int | None) -> ModelConfig:
+    """attention, mlp, attention (sliding with a window), mlp."""
     d = read_config(DEFAULT_MODEL).to_dict()
-    d.update(hidden_size=32, layer_types=["attention", "mlp", "attention", "mlp"], ffn=None,
+    second = "attention" if window is None else "sliding_attention"
+    d.update(hidden_size=32, layer_types=["attention", "mlp", second, "mlp"], ffn=None,
              mamba=None, moe=None, tie_word_embeddings=False, dtype="float32")  # fmt: skip
     rel = dict(rel_dim=8, rel_buckets=BUCKETS, rel_exact=EXACT, rel_max_distance=MAX_DIST)
     d["attention"] = dict(num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=None,
@@ -57,14 +60,14 @@ def _reference(model: HybridModel, cfg: ModelConfig, ids: np.ndarray) -> np.ndar
     h = f64(p["embed"])[ids] * cfg.embedding_multiplier
     t = len(ids)
     dist = np.arange(t)[:, None] - np.arange(t)[None, :]
-    visible = dist >= 0
-    if att.sliding_window is not None:
-        visible &= dist < att.sliding_window
     for i, kind in enumerate(cfg.layer_types):
         blk = p["layers"][i]
         x = norm(h, blk["norm"]["weight"])
         m = blk["mixer"]
-        if kind == "attention":
+        if kind in ("attention", "sliding_attention"):
+            visible = dist >= 0
+            if kind == "sliding_attention":
+                visible &= dist < att.sliding_window
             q = np.einsum("td,dnh->tnh", x, f64(m["q_proj"]["kernel"]))
             k = np.einsum("td,dkh->tkh", x, f64(m["k_proj"]["kernel"]))
             v = np.einsum("td,dkh->tkh", x, f64(m["v_proj"]["kernel"]))
@@ -108,3 +111,31 @@ def test_relative_attention_matches_numpy(tmp_path, window, backend):
     for blk in (model.layers[0], model.layers[2]):
         blk.mixer.rel_table[...] = jnp.zeros_like(blk.mixer.rel_table[...])
     assert np.abs(_reference(model, cfg, ids) - want).max() > 1e-2 * scale
+
+
+def test_greedy_decoding_past_the_window_matches_numpy(tmp_path):
+    # Decode well past the window of the sliding layer (its pages leave the window and are
+    # freed) and past the last bucket start: every token equals numpy's greedy choice.
+    cfg = _config(6)
+    model = HybridModel(cfg, load_ops("xla"), dtype=jnp.float32, rngs=nnx.Rngs(8))
+    save_converted(model, cfg, tmp_path / "ckpt", DEFAULT_MODEL, jnp.float32)
+    prompt = np.random.default_rng(4).integers(3, cfg.vocab_size, 30).tolist()
+    llm = LLM(str(tmp_path / "ckpt"), dtype="float32", max_model_len=128, progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = list(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+               .outputs[0].token_ids)  # fmt: skip
+    seq = list(prompt)
+    for _ in range(12):
+        seq.append(int(np.argmax(_reference(model, cfg, np.asarray(seq))[-1])))
+    assert got == seq[len(prompt) :]
+
+
+def test_window_and_sliding_layers_come_together():
+    d = _config(6).to_dict()
+    d["attention"]["sliding_window"] = None
+    with pytest.raises(ConfigError, match="sliding_attention layers need"):
+        ModelConfig.from_dict(d)
+    d = _config(None).to_dict()
+    d["attention"]["sliding_window"] = 8
+    with pytest.raises(ConfigError, match="needs sliding_attention layers"):
+        ModelConfig.from_dict(d)
