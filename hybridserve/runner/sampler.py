@@ -30,6 +30,20 @@ def sample(
     Returns: [B] int32 token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = filtered_logits(logits, temperature, top_k, top_p, min_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature <= 0, greedy, drawn)
+
+
+def filtered_logits(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+) -> jax.Array:
+    """The temperature-scaled logits [B, V] with the tokens that top-k, top-p and min-p filter
+    out at -inf: `softmax` of this is the distribution `sample` draws from (temperature > 0)."""
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     vocab = logits.shape[-1]
     desc = jnp.sort(scaled, axis=-1)[:, ::-1]
@@ -43,9 +57,7 @@ def sample(
     cutoff = jnp.take_along_axis(desc, (keep - 1)[:, None], axis=-1)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
     floor = desc[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]  # log(min_p * p_max)
-    scaled = jnp.where((min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature <= 0, greedy, drawn)
+    return jnp.where((min_p[:, None] > 0) & (scaled < floor), -jnp.inf, scaled)
 
 
 @functools.partial(jax.jit, static_argnames=("num",))
