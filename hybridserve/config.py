@@ -148,9 +148,20 @@ class MoeConfig:
     norm_topk_prob: bool = True
     latent_size: int | None = None
     num_shared_experts: int = 1
+    expert_format: str = "dense"  # or "nvfp4": routed experts in 4 bits (backends.nvfp4)
 
     def __post_init__(self) -> None:
         _require(self.router in ROUTERS, f"unknown MoE router {self.router!r}")
+        _require(
+            self.expert_format in ("dense", "nvfp4"),
+            f"expert_format must be 'dense' or 'nvfp4', got {self.expert_format!r}",
+        )
+        if self.expert_format == "nvfp4":
+            _require(
+                self.intermediate_size % 32 == 0 and (self.latent_size or 32) % 32 == 0,
+                "nvfp4 experts need intermediate_size and latent_size to be multiples of 32 "
+                "(without a latent projection, the hidden size is checked when quantising)",
+            )
         if self.router == "softmax_sink":
             _require(
                 self.num_shared_experts >= 1 and self.shared_intermediate_size > 0,

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from backends import nvfp4
 from backends.protocol import Ops
 from hybridserve.config import MlpConfig, MoeConfig
 from hybridserve.layers.linear import Einsum, param
@@ -57,6 +58,22 @@ def route_sink(cfg: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array,
     return weights, ids, probs[:, cfg.num_experts :]
 
 
+class Nvfp4Experts(nnx.Module):
+    """Routed-expert weights [E, K, N] stored as NVFP4 (`backends.nvfp4`: e2m1 codes, an e4m3
+    scale per 16 rows, a float32 scale per expert), quantised from `dense` on creation."""
+
+    def __init__(self, dense: jax.Array, axes: tuple[str | None, ...]) -> None:
+        q = nvfp4.quantize(dense)
+        self.codes = nnx.Param(q.codes, axes=axes)
+        self.scales = nnx.Param(q.scales, axes=axes)
+        self.tensor_scale = nnx.Param(q.tensor_scale, axes=(None,))
+
+    def matmul(self, ops: Ops, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        """`grouped_matmul(x, w, sizes)` on the 4-bit weights (the fused op)."""
+        w = (self.codes[...], self.scales[...], self.tensor_scale[...])
+        return ops.nvfp4_grouped_matmul(x, *w, sizes)
+
+
 class Moe(nnx.Module):
     """Routed experts plus an always-on shared expert (see the module docstring)."""
 
@@ -77,6 +94,10 @@ class Moe(nnx.Module):
         self.up = param(rngs, (e, din, f), ax_in, dtype, fan_in=din)
         self.gate = param(rngs, (e, din, f), ax_in, dtype, fan_in=din) if cfg.gated else None
         self.down = param(rngs, (e, f, din), ax_out, dtype, fan_in=f)
+        if cfg.expert_format == "nvfp4":  # the shared experts stay in the model dtype
+            self.up = Nvfp4Experts(self.up[...], ax_in)
+            self.down = Nvfp4Experts(self.down[...], ax_out)
+            self.gate = None if self.gate is None else Nvfp4Experts(self.gate[...], ax_in)
         kw = dict(dtype=dtype, rngs=rngs, bias=cfg.bias)
         if cfg.latent_size:
             self.fc1_latent = Einsum("md,dl->ml", (hidden, din), ("embed", None), **kw)
@@ -105,7 +126,7 @@ class Moe(nnx.Module):
         self.ops = ops
 
     def __call__(self, u: jax.Array) -> jax.Array:
-        cfg, gmm = self.cfg, self.ops.grouped_matmul
+        cfg = self.cfg
         shape = u.shape
         x = u.reshape(-1, shape[-1])  # [M, D]
         logits = x.astype(jnp.float32) @ self.router[...]
@@ -120,12 +141,12 @@ class Moe(nnx.Module):
         token = order // cfg.top_k
         sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
         hs = h[token]
-        act = gmm(hs, self.up[...], sizes)
+        act = self._experts(self.up, hs, sizes)
         if self.gate is not None:
-            act = activation(cfg.activation, gmm(hs, self.gate[...], sizes)) * act
+            act = activation(cfg.activation, self._experts(self.gate, hs, sizes)) * act
         else:
             act = activation(cfg.activation, act)
-        out = gmm(act.astype(h.dtype), self.down[...], sizes).astype(jnp.float32)
+        out = self._experts(self.down, act.astype(h.dtype), sizes).astype(jnp.float32)
         out = out * weights.reshape(-1)[order][:, None]
         routed = jnp.zeros(h.shape, jnp.float32).at[token].add(out).astype(u.dtype)
         if self.fc2_latent is not None:
@@ -135,6 +156,11 @@ class Moe(nnx.Module):
         if self.sink_up is not None:
             routed = routed + self._sink_experts(x, sink).astype(routed.dtype)
         return routed.reshape(shape)
+
+    def _experts(self, w: nnx.Param | Nvfp4Experts, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        if isinstance(w, Nvfp4Experts):
+            return w.matmul(self.ops, x, sizes)
+        return self.ops.grouped_matmul(x, w[...], sizes)
 
     def _sink_experts(self, x: jax.Array, sink: jax.Array) -> jax.Array:
         """`sum_s p_s shared_s(x)`: every shared expert on every token, weighted by its
