@@ -99,6 +99,5 @@ def quantize(w: jax.Array) -> Nvfp4Weight:
 def dequantize(weight: Nvfp4Weight) -> jax.Array:
     """NVFP4 -> dense float32 [E, K, N]."""
     values = e2m1_value(unpack(weight.codes))
-    e, k, n = values.shape
     scale = jnp.repeat(weight.scales.astype(jnp.float32), GROUP, axis=1)
     return values * scale * weight.tensor_scale[:, None, None]
