@@ -12,181 +12,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-LAYER_KINDS = ("mamba", "attention", "sliding_attention", "mlp", "moe")
-ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
-ROUTERS = ("sigmoid_group", "softmax_topk", "softmax_sink")
-
-
-class ConfigError(ValueError):
-    """A configuration is missing a field, has an inconsistent one, or is of an unknown kind."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-@dataclasses.dataclass(frozen=True)
-class MambaConfig:
-    """A Mamba2 mixer: `num_heads` heads of `head_dim` channels, `n_groups` groups of B/C."""
-
-    num_heads: int
-    head_dim: int
-    state_size: int
-    n_groups: int
-    conv_kernel: int
-    chunk_size: int
-    use_conv_bias: bool = True
-    use_bias: bool = False
-    dt_min: float = 0.0
-    dt_max: float = math.inf
-
-    def __post_init__(self) -> None:
-        _require(self.num_heads > 0 and self.head_dim > 0, "mamba num_heads/head_dim must be > 0")
-        _require(
-            self.num_heads % self.n_groups == 0,
-            f"mamba num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})",
-        )
-        _require(self.conv_kernel >= 1, f"mamba conv_kernel must be >= 1, got {self.conv_kernel}")
-        _require(self.chunk_size >= 1, f"mamba chunk_size must be >= 1, got {self.chunk_size}")
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """GQA attention. `scale=None` means `head_dim ** -0.5`; `rope_theta=None` means no RoPE
-    (NoPE); RoPE rotates the first `rotary_dim` channels of each head. `sliding_window` is the
-    window of the `sliding_attention` layers (`attention` layers see every earlier token; both
-    kinds share the other fields). `rel_dim` (None: none)
-    adds a learned relative-position term to the logits: an r projection gives each query head
-    a `rel_dim` vector, dotted with a table of `rel_buckets` distance embeddings (`rel_exact`
-    exact distances, then log-spaced buckets up to `rel_max_distance`, the last bucket open)."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float | None = None
-    bias: bool = False
-    rope_theta: float | None = None
-    rotary_dim: int | None = None
-    sliding_window: int | None = None
-    rel_dim: int | None = None
-    rel_buckets: int = 32
-    rel_exact: int = 16
-    rel_max_distance: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.rel_dim is not None:
-            _require(self.rel_dim > 0, f"rel_dim must be > 0, got {self.rel_dim}")
-            _require(
-                0 < self.rel_exact <= self.rel_buckets
-                and (self.rel_exact == self.rel_buckets or self.rel_max_distance > self.rel_exact),
-                f"relative buckets: need 0 < rel_exact ({self.rel_exact}) <= rel_buckets "
-                f"({self.rel_buckets}) and rel_max_distance ({self.rel_max_distance}) > rel_exact",
-            )
-        _require(
-            self.num_heads % self.num_kv_heads == 0,
-            f"num_attention_heads ({self.num_heads}) must be a multiple of "
-            f"num_key_value_heads ({self.num_kv_heads})",
-        )
-        if self.rope_theta is not None:
-            rd = self.rotary_dim
-            _require(
-                rd is not None and 0 < rd <= self.head_dim and rd % 2 == 0,
-                f"rotary_dim ({rd}) must be even and in (0, head_dim={self.head_dim}]",
-            )
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.head_dim**-0.5 if self.scale is None else self.scale
-
-
-@dataclasses.dataclass(frozen=True)
-class MlpConfig:
-    """A dense MLP: `down(act(up x))`, or `down(act(gate x) * up x)` when gated."""
-
-    intermediate_size: int
-    activation: str = "relu2"
-    gated: bool = False
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        _require(self.activation in ACTIVATIONS, f"unknown MLP activation {self.activation!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig:
-    """Mixture of experts.
-
-    `router="sigmoid_group"` (nemotron_h): sigmoid scores, a correction bias used only to select,
-    group-limited top-k, optional renormalisation, `routed_scaling_factor`. `"softmax_topk"`
-    (granitemoehybrid): top-k of the raw logits, softmax over those k. A shared expert of width
-    `shared_intermediate_size` (0 = none) always runs on the un-projected input.
-    `"softmax_sink"` (the expert sink): one softmax over the routed and `num_shared_experts`
-    shared experts' logits, top-k among the routed only, no renormalisation; the shared experts
-    always run, weighted by their own probabilities (see `layers.moe.route_sink`).
-    """
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    router: str = "sigmoid_group"
-    activation: str = "relu2"
-    gated: bool = False
-    bias: bool = False
-    shared_intermediate_size: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-    latent_size: int | None = None
-    num_shared_experts: int = 1
-    expert_format: str = "dense"  # or "nvfp4": routed experts in 4 bits (backends.nvfp4)
-
-    def __post_init__(self) -> None:
-        _require(self.router in ROUTERS, f"unknown MoE router {self.router!r}")
-        _require(
-            self.expert_format in ("dense", "nvfp4"),
-            f"expert_format must be 'dense' or 'nvfp4', got {self.expert_format!r}",
-        )
-        if self.expert_format == "nvfp4":
-            _require(
-                self.intermediate_size % 32 == 0 and (self.latent_size or 32) % 32 == 0,
-                "nvfp4 experts need intermediate_size and latent_size to be multiples of 32 "
-                "(without a latent projection, the hidden size is checked when quantising)",
-            )
-        if self.router == "softmax_sink":
-            _require(
-                self.num_shared_experts >= 1 and self.shared_intermediate_size > 0,
-                "the expert sink needs shared experts (num_shared_experts >= 1 and "
-                "shared_intermediate_size > 0)",
-            )
-        else:
-            _require(
-                self.num_shared_experts == 1,
-                f"router {self.router!r} has at most one shared expert (num_shared_experts=1)",
-            )
-        _require(self.activation in ACTIVATIONS, f"unknown MoE activation {self.activation!r}")
-        _require(
-            0 < self.top_k <= self.num_experts,
-            f"num_experts_per_tok ({self.top_k}) must be in [1, n_routed_experts="
-            f"{self.num_experts}]",
-        )
-        _require(
-            self.num_experts % self.n_group == 0,
-            f"n_routed_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})",
-        )
-        _require(
-            0 < self.topk_group <= self.n_group,
-            f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]",
-        )
+from hybridserve.layer_configs import (  # noqa: F401 (re-exported)
+    ACTIVATIONS,
+    LAYER_KINDS,
+    ROUTERS,
+    AttentionConfig,
+    AudioConfig,
+    ConfigError,
+    MambaConfig,
+    MlpConfig,
+    MoeConfig,
+    SconvConfig,
+    VisionConfig,
+    _require,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +35,9 @@ class ModelConfig:
     Each block is `x += r * mixer(norm(x))`, followed, when `ffn` is set ("mlp" or "moe"), by
     `x += r * ffn(norm2(x))`, with r the residual multiplier. Logits are
     `lm_head(norm_f(x)) / logits_scaling`; embeddings are scaled by `embedding_multiplier`.
+    With `sconv` (the Inkling blocks, attention mixers only), short convolutions act on the
+    keys, values, attention output and ffn output (`SconvConfig`). `vision` / `audio` add the
+    multimodal encoders whose embeddings replace placeholder tokens.
     """
 
     architecture: str
@@ -208,6 +50,9 @@ class ModelConfig:
     mamba: MambaConfig | None = None
     mlp: MlpConfig | None = None
     moe: MoeConfig | None = None
+    sconv: SconvConfig | None = None
+    vision: VisionConfig | None = None
+    audio: AudioConfig | None = None
     tie_word_embeddings: bool = False
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -243,6 +88,23 @@ class ModelConfig:
             )
             _require(window is None or window > 0, f"sliding_window must be > 0, got {window}")
 
+        if self.sconv is not None:
+            _require(
+                set(self.layer_types) <= {"attention", "sliding_attention"},
+                "sconv blocks need attention mixers only (sconvs act on keys and values)",
+            )
+        for enc in (self.vision, self.audio):
+            if enc is not None:
+                _require(
+                    0 <= enc.placeholder_id < self.vocab_size,
+                    f"placeholder_id {enc.placeholder_id} is not a token id",
+                )
+        if self.vision is not None:
+            _require(
+                self.vision.widths[-1] == self.hidden_size,
+                "the last vision width must be the hidden size",
+            )
+
     def window(self, index: int) -> int | None:
         """The attention window of layer `index` (None: full attention or not attention)."""
         if self.layer_types[index] == "sliding_attention":
@@ -272,6 +134,9 @@ class ModelConfig:
             "mamba": MambaConfig,
             "mlp": MlpConfig,
             "moe": MoeConfig,
+            "sconv": SconvConfig,
+            "vision": VisionConfig,
+            "audio": AudioConfig,
         }
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
