@@ -4,7 +4,8 @@ Every cached layer declares a spec with its page size in bytes *per TP rank*:
   FullAttention:  a page holds `block_size` tokens of K and V:
                   `block_size * kv_heads_local * 2 * head_dim * dtype_bytes`
   SlidingWindow:  the same page, plus a window (blocks that leave it are freed)
-  Sconv:          a virtual sliding-window layer over a short conv's inputs (window W-1)
+  Sconv:          a virtual sliding-window layer over a short conv's inputs (window W-1), its
+                  pages shaped like attention pages (`SconvSpec`)
   Mamba:          a page holds one whole state snapshot `[conv | ssm]`, conv in the DS layout
                   `(conv_dim_local, W-1)` (x rows, then B, then C) or SD `(W-1, conv_dim_local)`.
 
@@ -96,26 +97,17 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclasses.dataclass(frozen=True)
-class SconvSpec:
-    """A short causal conv's inputs as a virtual sliding-window layer: `channels` per token,
-    window `width - 1` tokens."""
+class SconvSpec(SlidingWindowSpec):
+    """A short conv's raw inputs as a virtual sliding-window layer (window `width - 1` tokens).
 
-    channels: int
-    width: int
-    dtype: str
-    block_size: int = 16
-
-    @property
-    def sliding_window(self) -> int:
-        return self.width - 1
+    One entry holds `2 * num_kv_heads * head_dim` channels per token, laid out exactly like an
+    attention page (the first half as "K", the second as "V"), so its pages have the attention
+    layers' size and share their pool; a conv over more channels takes several entries
+    (`sconv_entries`)."""
 
     @property
-    def bytes_per_token(self) -> int:
-        return self.channels * dtype_bytes(self.dtype)
-
-    @property
-    def page_size_bytes(self) -> int:
-        return self.block_size * self.bytes_per_token
+    def channels(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +211,8 @@ def layer_specs(
     ssm_dtype: str = "float32",
     layout: str | None = None,
 ) -> list[Spec | None]:
-    """The spec of every layer (None for layers without cache: mlp, moe)."""
+    """The spec of every cache entry: one per layer (None for layers without cache: mlp, moe),
+    then the sconv entries (`sconv_entries`)."""
     specs: list[Spec | None] = []
     for index, kind in enumerate(cfg.layer_types):
         if kind in ("attention", "sliding_attention"):
@@ -228,7 +221,38 @@ def layer_specs(
             specs.append(mamba_spec(cfg.mamba, tp, conv_dtype, ssm_dtype, layout))
         else:
             specs.append(None)
+    if cfg.sconv is not None:
+        a = attention_spec(cfg.attention, tp, conv_dtype)
+        sconv = SconvSpec(
+            a.num_kv_heads, a.head_dim, conv_dtype, sliding_window=cfg.sconv.width - 1
+        )
+        specs += [sconv] * sum(len(e) for site in sconv_entries(cfg) for e in site.values())
     return specs
+
+
+SCONV_SITES = ("kv", "out", "ffn")
+
+
+def sconv_entries(cfg: ModelConfig) -> list[dict[str, tuple[int, ...]]]:
+    """Per model layer, the cache entries of its sconv states, by site: "kv" (the keys then the
+    values: one entry), "out" (the attention output) and "ffn" (the ffn output; absent without
+    an ffn), each `cdiv(hidden, E)` entries of E = 2 * kv_heads * head_dim channels. Entry ids
+    continue after the model layers (entry i < num_layers is layer i's own cache), layer by
+    layer, site by site. Empty without sconv."""
+    if cfg.sconv is None:
+        return [{} for _ in cfg.layer_types]
+    width = 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim
+    per_hidden = -(-cfg.hidden_size // width)
+    sizes = {"kv": 1, "out": per_hidden, "ffn": per_hidden if cfg.ffn else 0}
+    out, nxt = [], cfg.num_layers
+    for _ in cfg.layer_types:
+        sites = {}
+        for site in SCONV_SITES:
+            if sizes[site]:
+                sites[site] = tuple(range(nxt, nxt + sizes[site]))
+                nxt += sizes[site]
+        out.append(sites)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@ relative-position term ("qkvr")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,6 +15,8 @@ from hybridserve.layers.cache_view import kv_pages, write_kv
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput
+
+KvConv = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 
 
 class Attention(nnx.Module):
@@ -57,11 +61,21 @@ class Attention(nnx.Module):
         self.ops = ops
 
     def __call__(
-        self, x: jax.Array, region: jax.Array, inputs: StepInput, layer: int
+        self,
+        x: jax.Array,
+        region: jax.Array,
+        inputs: StepInput,
+        layer: int,
+        kv_conv: KvConv | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        """`kv_conv` (the Inkling blocks' sconvs) maps the projected k and v ([B, T, K, H])
+        before they are cached and attended to; it gets and returns this layer's region (its
+        own state may live in the same region)."""
         acc = inputs.layout.layers[layer]
         tp = inputs.layout.tp
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if kv_conv is not None:
+            k, v, region = kv_conv(k, v, region)
         if self.cfg.rope_theta is not None:
             q = apply_rope(q, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)
             k = apply_rope(k, inputs.positions, self.cfg.rope_theta, self.cfg.rotary_dim)

@@ -134,6 +134,20 @@ def apply_page_copies(
     return [r.at[:, dst].set(r.at[:, src].get(mode=IN_BOUNDS), mode=IN_BOUNDS) for r in regions]
 
 
+def _kv_rows(
+    acc: AttentionAccess, table: jax.Array, positions: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Rows [B, T, heads_local] of the K and V of tokens at `positions` (invalid: null page)."""
+    kb, heads = acc.kernel_block, acc.kv_heads_local
+    idx = jnp.clip(positions // kb, 0, table.shape[1] - 1)
+    kid = jnp.take_along_axis(table, idx, axis=1)  # [B, T]
+    head = jnp.arange(heads)[None, None, :]
+    k_rows = ((kid[..., None] * 2) * heads + head) * kb + (positions % kb)[..., None]
+    k_rows = jnp.where(valid[..., None], k_rows, head * kb)
+    v_rows = jnp.where(valid[..., None], k_rows + heads * kb, head * kb)
+    return k_rows, v_rows
+
+
 def write_kv(
     region: jax.Array,
     acc: AttentionAccess,
@@ -146,18 +160,29 @@ def write_kv(
 ) -> jax.Array:
     """Write new tokens' K and V ([B, T, K, H]) at their positions through the block table
     ([B, nblk] kernel block ids); padding tokens go to the null page's rows."""
-    kb, heads = acc.kernel_block, acc.kv_heads_local
-    idx = jnp.clip(positions // kb, 0, table.shape[1] - 1)
-    kid = jnp.take_along_axis(table, idx, axis=1)  # [B, T]
-    head = jnp.arange(heads)[None, None, :]
-    k_rows = ((kid[..., None] * 2) * heads + head) * kb + (positions % kb)[..., None]
-    k_rows = jnp.where(valid[..., None], k_rows, head * kb)  # [B, T, heads_local]
-    v_rows = jnp.where(valid[..., None], k_rows + heads * kb, head * kb)
     dup = acc.dup(tp)
-    for rows, val in ((k_rows, k), (v_rows, v)):
+    for rows, val in zip(_kv_rows(acc, table, positions, valid), (k, v), strict=True):
         per_rank = split_tp(duplicate(val, 2, dup), 2, tp)  # [tp, B, T, heads_local, H]
         region = region.at[:, rows].set(to_raw(per_rank, acc.dtype, 3), mode=IN_BOUNDS)
     return region
+
+
+def read_kv(
+    region: jax.Array,
+    acc: AttentionAccess,
+    tp: int,
+    table: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The K and V ([B, T, K, H]) of the tokens at `positions`, gathered through the block table
+    (zeros where `valid` is false): the inverse of `write_kv`."""
+    out = []
+    for rows in _kv_rows(acc, table, positions, valid):
+        raw = region.at[:, rows].get(mode=IN_BOUNDS)  # [tp, B, T, heads_local, row_bytes]
+        typed = undup(merge_tp(from_raw(raw, acc.dtype, (acc.head_dim,)), 2), 2, acc.dup(tp))
+        out.append(jnp.where(valid[..., None, None], typed, 0))
+    return out[0], out[1]
 
 
 def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Array, jax.Array]:

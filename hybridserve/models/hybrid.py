@@ -8,6 +8,9 @@ multipliers, all of which the `ModelConfig` carries.
   h  += residual_multiplier * mixer_i(norm_i(h))          for each block i
   h  += residual_multiplier * ffn_i(ffn_norm_i(h))        when the family has one
   logits = lm_head(norm_f(h)) / logits_scaling
+With `sconv` (Inkling), each block is (attention mixers; `sc_*` short convs, `SconvConfig`):
+  x = norm_i(h);  k, v = sc_kv(x W_k), sc_kv(x W_v);  h += r * sc_out(attention(x W_q, k, v))
+  h += r * sc_ffn(ffn_i(ffn_norm_i(h)))
 
 The cache is functional: `model(tokens, inputs, regions) -> (hidden, regions)`, where regions
 are the raw buffers of the paged hybrid cache (see `hybridserve.layers.cache_view`); each
@@ -22,12 +25,14 @@ from flax import nnx
 
 from backends.protocol import Ops
 from hybridserve.config import ModelConfig
-from hybridserve.layers.attention import Attention
+from hybridserve.kv_spec import sconv_entries
+from hybridserve.layers.attention import Attention, KvConv
 from hybridserve.layers.linear import param
 from hybridserve.layers.mamba2 import Mamba2
 from hybridserve.layers.mlp import Mlp
 from hybridserve.layers.moe import Moe
 from hybridserve.layers.norm import RMSNorm
+from hybridserve.layers.sconv import ShortConv
 from hybridserve.layers.step_input import StepInput
 
 
@@ -57,19 +62,51 @@ class Block(nnx.Module):
         else:
             self.ffn = None
         self.residual_multiplier = cfg.residual_multiplier
+        self.sconv_entries = sconv_entries(cfg)[index]
+        a = cfg.attention
+        widths = {"kv": 2 * a.num_kv_heads * a.head_dim if a else 0, "out": d, "ffn": d}
+        self.sconv = nnx.data(
+            nnx.Dict({s: ShortConv(widths[s], cfg.sconv, ops, **kw) for s in self.sconv_entries})
+            if cfg.sconv is not None
+            else None
+        )
 
     def __call__(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
-        """Replaces this layer's region in `regions` (a Python list) when the mixer is cached."""
+        """Replaces this layer's regions in `regions` (a Python list) when it is cached."""
         x = self.norm(h)
         if self.kind in ("mamba", "attention", "sliding_attention"):
             r = inputs.layout.layers[self.index].region
-            x, regions[r] = self.mixer(x, regions[r], inputs, self.index)
+            extra = {} if self.sconv is None else {"kv_conv": self._kv_conv(regions, inputs)}
+            x, regions[r] = self.mixer(x, regions[r], inputs, self.index, **extra)
         else:
             x = self.mixer(x)
+        x = self._conv("out", x, regions, inputs)
         h = h + self.residual_multiplier * x
         if self.ffn is not None:
-            h = h + self.residual_multiplier * self.ffn(self.ffn_norm(h))
+            y = self._conv("ffn", self.ffn(self.ffn_norm(h)), regions, inputs)
+            h = h + self.residual_multiplier * y
         return h
+
+    def _conv(
+        self, site: str, x: jax.Array, regions: list[jax.Array], inputs: StepInput
+    ) -> jax.Array:
+        if self.sconv is None:
+            return x
+        return self.sconv[site](x, regions, inputs, self.sconv_entries[site])
+
+    def _kv_conv(self, regions: list[jax.Array], inputs: StepInput) -> KvConv:
+        """The keys and values through one sconv (channels: k's, then v's)."""
+        r = inputs.layout.layers[self.index].region
+
+        def conv(k: jax.Array, v: jax.Array, region: jax.Array) -> tuple[jax.Array, ...]:
+            b, t, kv, hd = k.shape
+            regions[r] = region  # the sconv entries may share the attention layer's region
+            u = jnp.concatenate([k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+            y = self._conv("kv", u, regions, inputs)
+            k, v = y[..., : kv * hd].reshape(k.shape), y[..., kv * hd :].reshape(v.shape)
+            return k, v, regions[r]
+
+        return conv
 
 
 class HybridModel(nnx.Module):

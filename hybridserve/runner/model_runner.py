@@ -43,8 +43,10 @@ from hybridserve.runner.regions import allocate_regions
 
 
 def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
-    """Per-layer access facts (region, group, local shapes, dtypes) from the cache plan."""
-    access: list[AttentionAccess | MambaAccess | None] = [None] * cfg.num_layers
+    """Per-entry access facts (region, group, local shapes, dtypes) from the cache plan: one
+    entry per layer, then the sconv entries (`kv_spec.sconv_entries`)."""
+    entries = 1 + max(e for g in plan.groups for e in g.layers if e is not None)
+    access: list[AttentionAccess | MambaAccess | None] = [None] * max(entries, cfg.num_layers)
     for g, group in enumerate(plan.groups):
         spec = group.spec
         for region, layer in enumerate(group.layers):

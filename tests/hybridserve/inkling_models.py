@@ -1,0 +1,67 @@
+"""A tiny Inkling config and checkpoint for the tests (float32, random weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+
+from backends.protocol import load_ops
+from hybridserve.api import DEFAULT_MODEL
+from hybridserve.config import ModelConfig
+from hybridserve.models.hybrid import HybridModel
+from hybridserve.weights.loader import read_config, save_converted
+
+IMAGE_TOKEN, AUDIO_TOKEN = 5, 6
+
+
+def tiny_inkling(window: int = 6, hidden: int = 48, nvfp4: bool = False) -> ModelConfig:
+    """full, sliding, full attention (GQA, NoPE, relative term), an expert-sink MoE ffn, four
+    sconvs of width 4 per block, an hMLP image stem and dMel audio. hidden 48 over sconv
+    entries of 32 channels: the out/ffn sites span two entries, the second half padding."""
+    d = read_config(DEFAULT_MODEL).to_dict()
+    d.update(
+        architecture="inkling",
+        hidden_size=hidden,
+        layer_types=["attention", "sliding_attention", "attention"],
+        ffn="moe",
+        mamba=None,
+        mlp=None,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    d["attention"] = dict(num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=None,
+                          rotary_dim=None, sliding_window=window, rel_dim=4, rel_buckets=8,
+                          rel_exact=4, rel_max_distance=20)  # fmt: skip
+    d["moe"] = dict(num_experts=8, top_k=2, intermediate_size=32, router="softmax_sink",
+                    activation="silu", gated=True, shared_intermediate_size=32,
+                    num_shared_experts=2, expert_format="nvfp4" if nvfp4 else "dense")  # fmt: skip
+    d["sconv"] = dict(width=4, bias=True)
+    d["vision"] = dict(placeholder_id=IMAGE_TOKEN, sub_patch=2, widths=[16, hidden], channels=3)
+    d["audio"] = dict(placeholder_id=AUDIO_TOKEN, sample_rate=8000, n_fft=64, hop=32, n_mels=8,
+                      mel_bins=6, mel_range=[-6.0, 4.0])  # fmt: skip
+    return ModelConfig.from_dict(d)
+
+
+def build_inkling(cfg: ModelConfig, seed: int = 0) -> HybridModel:
+    """Random weights; sconv taps and biases made large enough to matter."""
+    model = HybridModel(cfg, load_ops("xla"), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    rng = nnx.Rngs(seed + 100)
+    for blk in model.layers:
+        for conv in blk.sconv.values():
+            conv.weight[...] = 0.5 * jax_normal(rng, conv.weight[...].shape)
+            conv.bias[...] = 0.1 * jax_normal(rng, conv.bias[...].shape)
+        blk.mixer.rel_table[...] = blk.mixer.rel_table[...] * 4
+    return model
+
+
+def jax_normal(rngs: nnx.Rngs, shape: tuple[int, ...]):
+    import jax
+
+    return jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+def save_inkling(model: HybridModel, cfg: ModelConfig, path: Path) -> str:
+    save_converted(model, cfg, path, DEFAULT_MODEL, jnp.float32)
+    return str(path)
