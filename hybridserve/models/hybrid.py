@@ -8,6 +8,8 @@ multipliers, all of which the `ModelConfig` carries.
   h  += residual_multiplier * mixer_i(norm_i(h))          for each block i
   h  += residual_multiplier * ffn_i(ffn_norm_i(h))        when the family has one
   logits = lm_head(norm_f(h)) / logits_scaling
+Multimodal configs add an hMLP image stem and dMel audio embeddings (`layers.multimodal`); their
+outputs replace h_0 at the prompt's placeholder tokens (no embedding multiplier on them).
 With `sconv` (Inkling), each block is (attention mixers; `sc_*` short convs, `SconvConfig`):
   x = norm_i(h);  k, v = sc_kv(x W_k), sc_kv(x W_v);  h += r * sc_out(attention(x W_q, k, v))
   h += r * sc_ffn(ffn_i(ffn_norm_i(h)))
@@ -31,6 +33,7 @@ from hybridserve.layers.linear import param
 from hybridserve.layers.mamba2 import Mamba2
 from hybridserve.layers.mlp import Mlp
 from hybridserve.layers.moe import Moe
+from hybridserve.layers.multimodal import DmelEncoder, HmlpPatchEncoder
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.sconv import ShortConv
 from hybridserve.layers.step_input import StepInput
@@ -128,6 +131,27 @@ class HybridModel(nnx.Module):
             [Block(cfg, i, ops, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops, dtype=dtype)
+        v, a = cfg.vision, cfg.audio
+        self.vision = nnx.data(
+            HmlpPatchEncoder(v.channels, v.sub_patch, v.widths, dtype=dtype, rngs=rngs)
+            if v is not None
+            else None
+        )
+        self.audio = nnx.data(
+            DmelEncoder(
+                cfg.hidden_size,
+                sample_rate=a.sample_rate,
+                n_fft=a.n_fft,
+                hop=a.hop,
+                n_mels=a.n_mels,
+                mel_bins=a.mel_bins,
+                mel_range=a.mel_range,
+                dtype=dtype,
+                rngs=rngs,
+            )
+            if a is not None
+            else None
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -135,14 +159,36 @@ class HybridModel(nnx.Module):
         )
 
     def __call__(
-        self, tokens: jax.Array, inputs: StepInput, regions: list[jax.Array]
+        self,
+        tokens: jax.Array,
+        inputs: StepInput,
+        regions: list[jax.Array],
+        embeds: jax.Array | None = None,
+        embed_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, list[jax.Array]]:
-        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated regions)."""
+        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated regions).
+
+        `embeds` [B, T, D] replace the (scaled) token embeddings where `embed_mask` [B, T] is
+        set: the multimodal embeddings at their placeholder tokens (`embed_multimodal`)."""
         h = self.embed[...][tokens] * self.config.embedding_multiplier
+        if embeds is not None:
+            h = jnp.where(embed_mask[..., None], embeds.astype(h.dtype), h)
         regions = list(regions)
         for layer in self.layers:
             h = layer(h, regions, inputs)
         return self.norm_f(h), regions
+
+    def embed_image(self, image: jax.Array) -> jax.Array:
+        """An image [H, W, C] -> its patch embeddings [H/P * W/P, D] (raster order)."""
+        if self.vision is None:
+            raise ValueError("this model takes no images (its config has no vision encoder)")
+        return self.vision(image)
+
+    def embed_audio(self, wave: jax.Array) -> jax.Array:
+        """A mono waveform [S] at the config's sample rate -> its frame embeddings [F, D]."""
+        if self.audio is None:
+            raise ValueError("this model takes no audio (its config has no audio encoder)")
+        return self.audio(wave)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> [..., V] float32 logits."""
