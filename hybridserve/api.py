@@ -6,6 +6,10 @@ llm = LLM(model="path/to/model")            # an HF directory or a converted one
 outs = llm.generate(["def ", {"prompt_token_ids": [1, 2, 3]}],
                     SamplingParams(temperature=0.0, max_tokens=32))
 print(outs[0].outputs[0].text, outs[0].outputs[0].token_ids)
+
+Models with encoders (Inkling) take images and audio next to the prompt's placeholder tokens:
+`{"prompt_token_ids": ids, "multi_modal_data": {"image": [img], "audio": [wave]}}`
+(see `hybridserve.runner.multimodal_prompt`).
 """
 
 from __future__ import annotations
@@ -104,16 +108,22 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         unpacked = []
         for prompt, p in zip(prompts, params, strict=True):
-            kv = None
+            kv = mm = None
             if isinstance(prompt, dict):
-                if "prompt_token_ids" not in prompt:
-                    raise ValueError('a dict prompt needs "prompt_token_ids"')
+                if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                    raise ValueError('a dict prompt needs "prompt_token_ids" or "prompt"')
                 kv = prompt.get("kv_transfer_params")
-                prompt = list(prompt["prompt_token_ids"])
+                data = prompt.get("multi_modal_data")
+                prompt = (
+                    prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+                )
+                if data:
+                    prompt, mm = self.engine.prepare_multimodal(prompt, data)
             self.engine.validate(prompt, p)  # all or nothing: check every prompt first
-            unpacked.append((prompt, p, kv))
+            unpacked.append((prompt, p, kv, mm))
         return [
-            self.engine.add_request(prompt, p, kv_transfer_params=kv) for prompt, p, kv in unpacked
+            self.engine.add_request(prompt, p, kv_transfer_params=kv, mm=mm)
+            for prompt, p, kv, mm in unpacked
         ]
 
     def generate(
@@ -122,8 +132,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or `{"prompt_token_ids": [...]}`); outputs come
-        back in prompt order."""
+        """Generate for each prompt (a string, `{"prompt_token_ids": [...]}` or `{"prompt":
+        "..."}`, either dict with an optional `"multi_modal_data"`); outputs come back in
+        prompt order."""
         ids = self._add(prompts, sampling_params)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:

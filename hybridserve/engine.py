@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig
-from hybridserve.core.request import Request
+from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import Scheduler
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.runner.factory import make_runner
+from hybridserve.runner.multimodal_prompt import multimodal_prompt
 from hybridserve.runner.sampler import logprobs, sample
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
@@ -149,17 +150,33 @@ class LLMEngine:
             )
         return ids
 
+    def prepare_multimodal(
+        self, prompt: str | list[int], data: dict
+    ) -> tuple[list[int], MultimodalInput]:
+        """(token ids with the placeholders expanded, the embeddings) of a multimodal prompt
+        (`runner.multimodal_prompt`): pass both to `add_request`."""
+        if not isinstance(data, dict):
+            raise ValueError('multi_modal_data must be a dict like {"image": [...]}')
+        ids = self.validate(prompt, SamplingParams())
+        return multimodal_prompt(ids, data, self.model_config, self.runner.embed_multimodal)
+
     def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         req_id: str | None = None,
         kv_transfer_params: dict | None = None,
+        mm: MultimodalInput | None = None,
     ) -> str:
         """Queue a prompt (text, or token ids) and return its req_id. `kv_transfer_params`:
         `{"do_remote_decode": True}` on a prefill engine, or a prefill output's parameters on a
-        decode engine."""
+        decode engine. `mm`: the embeddings of a prompt from `prepare_multimodal` (whose
+        expanded ids are `prompt`)."""
         ids = self.validate(prompt, params)
+        if mm is not None and (not mm.positions or mm.positions[-1] >= len(ids)):
+            raise ValueError("multimodal positions do not fit the prompt (use prepare_multimodal)")
+        if mm is not None and kv_transfer_params:
+            raise ValueError("multimodal prompts do not run disaggregated yet")
         remote = kv_transfer_params or {}
         if remote and self.connector is None:
             raise ValueError("kv_transfer_params given but the engine has no kv_transfer config")
@@ -186,6 +203,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos or producer else frozenset(self.eos_ids),
             stop_token_ids=frozenset() if producer else frozenset(params.stop_token_ids),
             hold_pages=producer,
+            mm=mm,
         )
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         self._tracked[req_id] = _Tracked(

@@ -317,5 +317,6 @@ class CacheCoordinator:
     def _unit_hashes(self, request: Request, num_units: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.req_id, [])
         if len(hashes) < num_units:
-            chain_hashes(request.all_token_ids, self.unit, hashes, num_units)
+            seed = b"" if request.mm is None else request.mm.digest
+            chain_hashes(request.all_token_ids, self.unit, hashes, num_units, seed)
         return hashes[:num_units]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +17,8 @@ class ScheduledChunk:
                   null page, where a sliding window has freed a page); for Mamba groups a single
                   page, the request's running state.
     sample:       the chunk ends at the last known token: sample the next token from it.
+    mm:           multimodal embeddings inside the chunk: (offsets into token_ids, rows [k, D])
+                  that replace those tokens' embeddings; None when there are none.
     """
 
     req_id: str
@@ -23,6 +26,7 @@ class ScheduledChunk:
     start: int
     block_tables: tuple[tuple[int, ...], ...]
     sample: bool
+    mm: tuple[tuple[int, ...], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

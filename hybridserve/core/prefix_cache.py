@@ -71,13 +71,14 @@ def prefix_unit(plan: CachePlan, requested: int | None = None) -> int:
 
 
 def chain_hashes(
-    tokens: Sequence[int], unit: int, hashes: list[bytes], num_units: int
+    tokens: Sequence[int], unit: int, hashes: list[bytes], num_units: int, seed: bytes = b""
 ) -> list[bytes]:
     """Extend `hashes` (the chained hashes of `tokens`' first units) in place to `num_units`
-    units, and return it. Needs `num_units * unit <= len(tokens)`."""
+    units, and return it. Needs `num_units * unit <= len(tokens)`. `seed` is the parent of the
+    first unit (a multimodal prompt's digest)."""
     if num_units * unit > len(tokens):
         raise ValueError(f"{num_units} units of {unit} need more than {len(tokens)} tokens")
-    parent = hashes[-1] if hashes else b""
+    parent = hashes[-1] if hashes else seed
     for k in range(len(hashes), num_units):
         ids = tokens[k * unit : (k + 1) * unit]
         parent = hashlib.sha256(parent + struct.pack(f"<{unit}q", *ids)).digest()

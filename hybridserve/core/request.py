@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import time
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +37,25 @@ FINISH_STATUS = {
 }
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MultimodalInput:
+    """A prompt's multimodal embeddings: row i of `embeds` ([n, D], any array type) replaces
+    the token embedding at prompt position `positions[i]` (ascending). `digest` identifies
+    the inputs (it seeds the prompt's prefix-cache hashes, so equal tokens over different
+    images never share cached pages)."""
+
+    positions: tuple[int, ...]
+    embeds: Any
+    digest: bytes
+
+    def rows(self, start: int, stop: int) -> tuple[tuple[int, ...], Any] | None:
+        """(offsets from `start`, embedding rows) of the positions in [start, stop)."""
+        lo, hi = bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, stop)
+        if lo == hi:
+            return None
+        return tuple(p - start for p in self.positions[lo:hi]), self.embeds[lo:hi]
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request (mutable; owned by the scheduler once added).
@@ -61,6 +82,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     hold_pages: bool = False  # P/D prefill side: keep the pages after finishing until released
+    mm: MultimodalInput | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

@@ -222,6 +222,7 @@ class Scheduler:
             start=start,
             block_tables=self.coordinator.block_tables(request),
             sample=start + n == request.num_tokens,
+            mm=None if request.mm is None else request.mm.rows(start, start + n),
         )
 
     def _arrival(self, request: Request) -> tuple[float, int]:

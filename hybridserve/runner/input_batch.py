@@ -32,6 +32,8 @@ class BatchArrays:
     lengths: np.ndarray  # [B] int32
     tables: tuple[np.ndarray, ...]  # per group: [B, nblk] kernel blocks, or [B] state pages
     num_rows: int  # real rows (the rest is padding)
+    embeds: np.ndarray | None = None  # [B, T, D] float32 multimodal rows, or None
+    embed_mask: np.ndarray | None = None  # [B, T] bool: where `embeds` replace tokens
 
 
 def table_width(plan: CachePlan, max_model_len: int) -> int:
@@ -78,4 +80,13 @@ def build_batch(
                 kernel[i, : min(len(ids), nblk)] = ids[:nblk]
             tables.append(kernel)
     positions = starts[:, None] + np.arange(t, dtype=np.int32)[None, :]
-    return BatchArrays(tokens, positions, lengths, tuple(tables), n)
+    embeds = mask = None
+    if any(c.mm is not None for c in chunks):
+        width = next(np.shape(c.mm[1])[1] for c in chunks if c.mm is not None)
+        embeds, mask = np.zeros((rows, t, width), np.float32), np.zeros((rows, t), bool)
+        for i, c in enumerate(chunks):
+            if c.mm is not None:
+                offsets, values = c.mm
+                embeds[i, list(offsets)] = np.asarray(values, np.float32)
+                mask[i, list(offsets)] = True
+    return BatchArrays(tokens, positions, lengths, tuple(tables), n, embeds, mask)

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.config import ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.core.request import MultimodalInput
 from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec, canonical_dtype
 from hybridserve.layers.cache_view import (
     AttentionAccess,
@@ -136,6 +137,7 @@ class ModelRunner:
             static_argnames=("last_only",),
             out_shardings=(NamedSharding(mesh, PartitionSpec()), regions_out),
         )
+        self._embed_fns: dict[str, object] = {}
         self._copy = jax.jit(
             apply_page_copies, donate_argnums=(0,), static_argnums=(2,), out_shardings=regions_out
         )
@@ -151,14 +153,25 @@ class ModelRunner:
         regions: list,
         tokens: jax.Array,
         inputs: StepInput,
+        embeds: jax.Array | None,
+        embed_mask: jax.Array | None,
         last_only: bool,
     ) -> tuple[jax.Array, list]:
         model = nnx.merge(self.graphdef, params)
-        hidden, regions = model(tokens, inputs, regions)
+        hidden, regions = model(tokens, inputs, regions, embeds, embed_mask)
         if last_only:
             rows = jnp.arange(hidden.shape[0])
             hidden = hidden[rows, jnp.maximum(inputs.lengths - 1, 0)]
         return model.logits(hidden), regions
+
+    def embed_multimodal(self, kind: str, item: np.ndarray) -> np.ndarray:
+        """One image ([H, W, C]) or waveform ([S]) -> its embeddings [n, D] (float32, host)."""
+        fn = self._embed_fns.get(kind)
+        if fn is None:
+            method = {"image": "embed_image", "audio": "embed_audio"}[kind]
+            fn = jax.jit(lambda params, x: getattr(nnx.merge(self.graphdef, params), method)(x))
+            self._embed_fns[kind] = fn
+        return np.asarray(fn(self.params, jnp.asarray(item, jnp.float32)), np.float32)
 
     def copy_pages(self, copies: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> None:
         """Apply whole-page copies (src, dst) in every region."""
@@ -176,8 +189,9 @@ class ModelRunner:
             tables=tuple(jnp.asarray(t) for t in batch.tables),
             layout=self.layout,
         )
+        mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
         logits, self.regions = self._step(
-            self.params, self.regions, jnp.asarray(batch.tokens), inputs, last_only=last_only
+            self.params, self.regions, jnp.asarray(batch.tokens), inputs, *mm, last_only=last_only
         )
         return logits[: batch.num_rows]
 
@@ -248,7 +262,10 @@ class ModelRunner:
             )
         return tuple(tables)
 
-    def sequence_logits(self, token_ids: list[int]) -> jax.Array:
-        """All-position logits [T, V] of one sequence computed from scratch."""
+    def sequence_logits(self, token_ids: list[int], mm: MultimodalInput | None = None) -> jax.Array:
+        """All-position logits [T, V] of one sequence computed from scratch (`mm`: its
+        multimodal embeddings, from `multimodal_prompt`)."""
         tables = self.scratch_tables(len(token_ids))
-        return self.prompt_logits(ScheduledChunk("scratch", tuple(token_ids), 0, tables, True))
+        rows = None if mm is None else mm.rows(0, len(token_ids))
+        chunk = ScheduledChunk("scratch", tuple(token_ids), 0, tables, True, rows)
+        return self.prompt_logits(chunk)
