@@ -4,15 +4,17 @@
 sliding-window attention over 4096 tokens), hidden 7168, vocab 163840, GQA 64 query / 8 KV
 heads of 128 (NoPE, relative term rel_dim 64), an expert-sink MoE of 256 routed experts (top-6,
 intermediate 2048) and 2 shared experts (intermediate 2048), gated silu, sconv width 4, bf16,
-max 1M positions. Parameters (`param_count`): 754,123,335,680 (754.1 B; about 1.51 TB in bf16);
-active per token (`active_param_count`: all but the 250 routed experts a token skips, per
-layer): 25,358,155,776 (25.4 B, embedding and lm_head included; 23.0 B without them).
+max 1M positions. Parameters (`param_count`): 763,050,396,672 (763.1 B; 1.53 TB in bf16, of
+which the routed experts 744.1 B); active per token (`active_param_count`: all but the 250
+routed experts per layer a token skips): 36,387,228,672 (36.4 B with the embedding and lm_head;
+34.0 B without them).
 
 `inkling_mid()`: a random-weight benchmark size for one H200 in bf16: 12 layers (5 and 11 full,
 the rest sliding over 1024 tokens), hidden 2048, vocab 163840, GQA 16 query / 4 KV heads of 128
 (relative term rel_dim 64), 64 routed experts (top-6, intermediate 512) and 2 shared experts
-(intermediate 512), sconv width 4, bf16, max 128K positions. Parameters: 3,201,572,864 (3.2 B;
-6.4 GB in bf16); active per token: 983,207,936 (0.98 B; 0.31 B without embedding and lm_head).
+(intermediate 512), sconv width 4, bf16, max 128K positions. Parameters: 3,315,443,712 (3.3 B;
+6.6 GB in bf16, of which the routed experts 2.4 B); active per token: 1,126,017,024 (1.13 B;
+0.45 B without the embedding and lm_head).
 """
 
 from __future__ import annotations
