@@ -100,7 +100,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
         )
-        need = self.scheduler.coordinator.pages_for(self.max_model_len)
+        need = self.scheduler.coordinator.pages_for(self.max_model_len, config.max_prefill_chunk)
         if self.runner.num_pages < need:
             raise ValueError(
                 f"the cache pool has {self.runner.num_pages} pages but one request of "

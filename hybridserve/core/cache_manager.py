@@ -54,6 +54,11 @@ class GroupManager:
         """New pages the table needs to cover `num_tokens` tokens."""
         raise NotImplementedError
 
+    def max_pages(self, num_tokens: int, chunk: int) -> int:
+        """The most pages one request of up to `num_tokens` tokens holds at once, computed in
+        steps of at most `chunk` tokens."""
+        return self.pages_needed([], num_tokens)
+
     def drop_out_of_window(self, table: list[int], num_computed: int) -> None:
         """Free pages no future token attends to (sliding windows only)."""
 
@@ -80,6 +85,12 @@ class SlidingWindowManager(FullAttentionManager):
     @property
     def window(self) -> int:
         return self.group.spec.sliding_window
+
+    def max_pages(self, num_tokens: int, chunk: int) -> int:
+        # a step over [s, s + chunk) holds the pages of [s - window, s + chunk)
+        return min(
+            cdiv(num_tokens, self.block_size), cdiv(self.window + chunk, self.block_size) + 1
+        )
 
     def drop_out_of_window(self, table: list[int], num_computed: int) -> None:
         # freed pages form a prefix of the table: walk back from the newest one out of window
@@ -152,9 +163,11 @@ class CacheCoordinator:
     def miss(self) -> PrefixHit:
         return PrefixHit.miss(len(self.managers))
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages one request holding `num_tokens` tokens needs at most (to size a pool)."""
-        return sum(m.pages_needed([], num_tokens) for m in self.managers)
+    def pages_for(self, num_tokens: int, chunk: int | None = None) -> int:
+        """Pages one request of up to `num_tokens` tokens holds at most, computed in steps of
+        at most `chunk` tokens (None: any), over all groups (to size a pool)."""
+        chunk = num_tokens if chunk is None else chunk
+        return sum(m.max_pages(num_tokens, chunk) for m in self.managers)
 
     def has_pages(self, req_id: str) -> bool:
         return req_id in self._tables

@@ -315,8 +315,9 @@ class Scheduler:
 
     def _too_small(self, request: Request, n: int) -> PoolTooSmall:
         c = self.coordinator
-        need = c.pages_for(request.num_computed_tokens + n)
-        full = c.pages_for(self.config.max_model_len)
+        chunk = self.config.max_prefill_chunk
+        need = c.pages_for(request.num_computed_tokens + n, chunk)
+        full = c.pages_for(self.config.max_model_len, chunk)
         return PoolTooSmall(
             f"the cache pool ({c.pool.num_pages - 1} usable pages) cannot hold request "
             f"{request.req_id!r} on its own: {request.num_computed_tokens + n} tokens need {need} "

@@ -21,16 +21,23 @@ def make_plan(cfg: ModelConfig, cache: CacheConfig, tp: int, dtype: str) -> Cach
 
 
 def num_pages_for(
-    plan: CachePlan, cache: CacheConfig, max_num_seqs: int, max_model_len: int
+    plan: CachePlan, cache: CacheConfig, max_num_seqs: int, max_model_len: int, chunk: int = 256
 ) -> int:
     """Pages in the pool: `cache.num_pages` if set; otherwise as many as fit in
     `cache.memory_bytes` per rank, but no more than twice what `max_num_seqs` requests of
     `max_model_len` tokens need (the rest would only hold prefix-cache entries, and a smaller
-    pool keeps every region small)."""
+    pool keeps every region small). Sliding-window groups need only the pages of their window
+    and one step of up to `chunk` tokens."""
     if cache.num_pages is not None:
         return cache.num_pages
+    full = -(-max_model_len // plan.block_size)
     per_request = sum(
-        1 if g.kind == "mamba" else -(-max_model_len // plan.block_size) for g in plan.groups
+        1
+        if g.kind == "mamba"
+        else min(full, -(-(g.spec.sliding_window + chunk) // plan.block_size) + 1)
+        if g.kind == "sliding_window"
+        else full
+        for g in plan.groups
     )
     fit = cache.memory_bytes // (plan.page_size_bytes * plan.num_regions)
     return max(2, min(fit, 2 * max_num_seqs * per_request + 1))

@@ -23,9 +23,8 @@ Full attention holds 97.9% of it. A prefill chunk of C tokens holds, for a step,
 cdiv(4096 + C, 16) + 1 pages per sliding group and cdiv(3 + C, 16) + 1 per sconv group (C = 256:
 273 and 18, i.e. 54 x 18 sconv page ids; C = 8192: 54 x 514 = 27,756, 42% of the full group's).
 The page counts come from running the real `CacheCoordinator` over a 1M-token request.
-`CacheCoordinator.pages_for` (the engine's max_model_len check) and `num_pages_for` (pool
-sizing) count every window group as full attention: 60 x 65,536 = 3,932,160 page ids (354 GB
-per rank at TP 8) instead of the 66,929 above (see the xfail test).
+`CacheCoordinator.pages_for` (the engine's max_model_len check) counts each window group's
+window plus one step's chunk (67,873 page ids for steps of 256 tokens).
 """
 
 from __future__ import annotations
@@ -171,14 +170,13 @@ def test_bytes_per_rank_of_a_1m_request(tp):
     assert sum(got.values()) == 48_248_848_384 // tp
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pages_for counts sliding-window and sconv groups as full attention: it asks "
-    "60 x 65,536 page ids for a 1M-token request that holds 66,929 (+ a chunk's transient)",
-)
 def test_pages_for_counts_what_a_1m_request_holds():
+    # The engine's max_model_len check and the scheduler's pool check: a step of up to 256
+    # tokens holds the window plus the chunk in each window group, all 1M tokens in the full
+    # group: 65,536 + 5 * (cdiv(4096 + 256, 16) + 1) + 54 * (cdiv(3 + 256, 16) + 1).
     coord = CacheCoordinator(plan(8), 2, enable_prefix_caching=False)
-    assert coord.pages_for(CONTEXT) <= 2 * sum(n * pages for n, pages in PLAN.values())
+    assert coord.pages_for(CONTEXT, 256) == 65_536 + 5 * 273 + 54 * 18
+    assert coord.pages_for(CONTEXT) == 60 * 65_536  # steps of any size: every page may be held
 
 
 def test_param_counts():
