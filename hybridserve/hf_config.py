@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` -> `ModelConfig`, for nemotron_h, bamba and granitemoehybrid.
+"""Hugging Face `config.json` -> `ModelConfig`, for nemotron_h, bamba and granitemoehybrid, and
+our own Inkling layout (model_type "inkling", parsed in `hybridserve.inkling_config`).
 
 Accepts both forms of the Nemotron-H layer layout (the `layers_block_type` list and the legacy
 `hybrid_override_pattern` string), legacy field aliases, and the `{"__float__": "Infinity"}`
@@ -329,7 +330,18 @@ def _granitemoehybrid(f: _Fields) -> ModelConfig:
     )
 
 
-PARSERS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granitemoehybrid}
+def _inkling(f: _Fields) -> ModelConfig:
+    from hybridserve.inkling_config import parse_inkling  # imports this module
+
+    return parse_inkling(f)
+
+
+PARSERS = {
+    "nemotron_h": _nemotron_h,
+    "bamba": _bamba,
+    "granitemoehybrid": _granitemoehybrid,
+    "inkling": _inkling,
+}
 
 
 def parse_hf_config(path: str | Path) -> ModelConfig:

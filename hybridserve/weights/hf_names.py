@@ -7,6 +7,7 @@ wins, which covers the hub layout and transformers' in-memory layout (stacked ex
 
 Our layouts: projections are [in, out...] (HF Linear weights are [out, in]); the Mamba2 in_proj
 rows [z | x | B | C | dt] are split into five kernels; experts are stacked [E, in, out].
+Our own Inkling layout (architecture "inkling") has its two-way table in `inkling_names`.
 """
 
 from __future__ import annotations
@@ -165,6 +166,10 @@ def _granite_moe(table: dict, cfg: ModelConfig, ours: str, hf: str) -> None:
 
 def hf_sources(cfg: ModelConfig) -> dict[str, list[Source]]:
     """Our dotted parameter path -> candidate HF sources, for every parameter of the model."""
+    if cfg.architecture == "inkling":
+        from hybridserve.weights.inkling_names import inkling_sources  # imports this module
+
+        return inkling_sources(cfg)
     table: dict[str, list[Source]] = {}
     fam = cfg.architecture
     root = "backbone" if fam == "nemotron_h" else "model"

@@ -96,7 +96,10 @@ def hf_arrays(
     table = hf_sources(cfg)
     missing_ours = sorted(set(paths) - set(table))
     if missing_ours:
-        raise WeightError(f"no HF source known for parameters {missing_ours}")
+        raise WeightError(
+            f"no HF source known for parameters {missing_ours}; add them to the name table "
+            "(hybridserve/weights/hf_names.py, or inkling_names.py for Inkling)"
+        )
     used: set[str] = set()
     for name in tqdm(sorted(paths), desc="loading weights", unit="tensor", disable=not progress):
         target = _get(abstract, paths[name])
@@ -108,6 +111,8 @@ def hf_arrays(
         arrays = [reader.get(n) for n in source.names]
         try:
             value = source.hook(arrays, tuple(target.shape))
+        except WeightError as err:  # a hook that checks its tensors names them itself
+            raise WeightError(f"{directory}: {err} (for parameter {name})") from None
         except ValueError:
             shapes = ", ".join(f"{n} {reader.shape(n)}" for n in source.names)
             raise WeightError(
