@@ -17,12 +17,16 @@ from hybridserve.config import (
     ConfigError,
     ModelConfig,
     MoeConfig,
+    MtpConfig,
     SconvConfig,
     VisionConfig,
 )
 from hybridserve.hf_config import _common, _Fields
 
-LAYOUT_VERSION = 1  # bump when tensors are added (e.g. MTP heads); readers refuse newer ones
+# The newest layout this build reads and writes; readers refuse newer ones. Bump it when tensors
+# are added. 1: the base model and encoders; 2: + the MTP heads (`num_nextn_predict_layers`).
+# The writer stores the lowest version that holds the model (1 without MTP heads).
+LAYOUT_VERSION = 2
 _KINDS = {
     "full_attention": "attention",
     "attention": "attention",
@@ -122,6 +126,13 @@ def _audio(f: _Fields) -> AudioConfig | None:
     )
 
 
+def _mtp(f: _Fields) -> MtpConfig | None:
+    n = int(f.get("num_nextn_predict_layers", default=0))
+    if n < 0:
+        raise ConfigError(f"{f.where}: field 'num_nextn_predict_layers' = {n} must be >= 0")
+    return MtpConfig(num_heads=n) if n else None
+
+
 def parse_inkling(f: _Fields) -> ModelConfig:
     """An Inkling `config.json` (as `_Fields`) -> `ModelConfig`; errors name the field."""
     version = int(f.get("layout_version", default=1))
@@ -142,6 +153,7 @@ def parse_inkling(f: _Fields) -> ModelConfig:
         else SconvConfig(int(width), bool(f.get("sconv_bias", default=False))),
         vision=_vision(f),
         audio=_audio(f),
+        mtp=_mtp(f),
         embedding_multiplier=float(f.get("embedding_multiplier", default=1.0)),
         residual_multiplier=float(f.get("residual_multiplier", default=1.0)),
         logits_scaling=float(f.get("logits_scaling", default=1.0)),
@@ -194,7 +206,7 @@ def inkling_config_json(cfg: ModelConfig) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "architectures": ["InklingForCausalLM"],
         "model_type": "inkling",
-        "layout_version": LAYOUT_VERSION,
+        "layout_version": 1 if cfg.mtp is None else 2,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -231,6 +243,7 @@ def inkling_config_json(cfg: ModelConfig) -> dict[str, Any]:
         "expert_format": m.expert_format,
         "sconv_width": None if cfg.sconv is None else cfg.sconv.width,
         "sconv_bias": cfg.sconv is not None and cfg.sconv.bias,
+        "num_nextn_predict_layers": 0 if cfg.mtp is None else cfg.mtp.num_heads,
         **_encoders(cfg),
     }
     try:

@@ -7,8 +7,9 @@ name, even one whose element count fits). `hf_sources` reads through `inkling_so
 exporter (`inkling_export`) writes through `Codec.to_hf`. The layout is documented in
 docs/inkling_checkpoint.md.
 
-To map new parameters (e.g. MTP heads), add a section function to `SECTIONS` (and a row to the
-doc): parameters without a rule make both the exporter and the loader fail, naming them.
+To map new parameters, add a section function to `SECTIONS` (and a row to the doc, and bump
+`inkling_config.LAYOUT_VERSION`): parameters without a rule make both the exporter and the
+loader fail, naming them.
 """
 
 from __future__ import annotations
@@ -188,18 +189,34 @@ def _moe(cfg: ModelConfig, t: Table, ours: str, hf: str) -> None:
         _experts(t, f"{ours}.sink_{name}", f"{hf}.shared_experts", name, shared, False)
 
 
+def _block(cfg: ModelConfig, t: Table, ours: str, hf: str, sconv: bool) -> None:
+    """One `Block`: norms, attention, MoE ffn and (`sconv`, a base-model layer) its sconvs."""
+    t[f"{ours}.norm.weight"] = Rule((f"{hf}.input_layernorm.weight",))
+    t[f"{ours}.ffn_norm.weight"] = Rule((f"{hf}.post_attention_layernorm.weight",))
+    _attention(cfg, t, f"{ours}.mixer", f"{hf}.self_attn")
+    _moe(cfg, t, f"{ours}.ffn", f"{hf}.mlp")
+    if sconv and cfg.sconv is not None:
+        for site in ("kv", "out", "ffn"):
+            t[f"{ours}.sconv.{site}.weight"] = Rule((f"{hf}.sconv_{site}.weight",))
+            if cfg.sconv.bias:
+                t[f"{ours}.sconv.{site}.bias"] = Rule((f"{hf}.sconv_{site}.bias",))
+
+
 def _layers(cfg: ModelConfig, t: Table) -> None:
     for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}", f"model.layers.{i}"
-        t[f"{ours}.norm.weight"] = Rule((f"{hf}.input_layernorm.weight",))
-        t[f"{ours}.ffn_norm.weight"] = Rule((f"{hf}.post_attention_layernorm.weight",))
-        _attention(cfg, t, f"{ours}.mixer", f"{hf}.self_attn")
-        _moe(cfg, t, f"{ours}.ffn", f"{hf}.mlp")
-        if cfg.sconv is not None:
-            for site in ("kv", "out", "ffn"):
-                t[f"{ours}.sconv.{site}.weight"] = Rule((f"{hf}.sconv_{site}.weight",))
-                if cfg.sconv.bias:
-                    t[f"{ours}.sconv.{site}.bias"] = Rule((f"{hf}.sconv_{site}.bias",))
+        _block(cfg, t, f"layers.{i}", f"model.layers.{i}", sconv=True)
+
+
+def _mtp(cfg: ModelConfig, t: Table) -> None:
+    """The MTP heads (`models.mtp.MtpHead`, layout_version 2): norms, the [2D, D] input
+    projection (rows: the normed hidden state's D, then the normed embedding's) and a block
+    named like a layer's (full attention, no sconvs)."""
+    for i in range(0 if cfg.mtp is None else cfg.mtp.num_heads):
+        ours, hf = f"mtp.{i}", f"model.mtp.{i}"
+        for norm in ("norm_h", "norm_e", "norm_o"):
+            t[f"{ours}.{norm}.weight"] = Rule((f"{hf}.{norm}.weight",))
+        t[f"{ours}.proj"] = Rule((f"{hf}.proj.weight",), Linear())
+        _block(cfg, t, f"{ours}.block", hf, sconv=False)
 
 
 def _encoders(cfg: ModelConfig, t: Table) -> None:
@@ -211,7 +228,7 @@ def _encoders(cfg: ModelConfig, t: Table) -> None:
         t["audio.table"] = Rule(("model.audio.table",))
 
 
-SECTIONS: tuple[Callable[[ModelConfig, Table], None], ...] = (_globals, _layers, _encoders)
+SECTIONS: tuple[Callable[[ModelConfig, Table], None], ...] = (_globals, _layers, _mtp, _encoders)
 
 
 def inkling_rules(cfg: ModelConfig) -> Table:

@@ -1,13 +1,16 @@
 """The Inkling checkpoint layout (docs/inkling_checkpoint.md): export a tiny model, convert it
-through `hybridserve convert`'s path, and get the logits of the directly saved model; NVFP4
-experts stored losslessly; clear errors for missing, misshapen and unmapped tensors."""
+through `hybridserve convert`'s path, and get the logits of the directly saved model; MTP heads
+(layout_version 2) load to the exported parameters; NVFP4 experts stored losslessly; clear
+errors for missing, misshapen and unmapped tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -18,13 +21,18 @@ from safetensors.numpy import load_file, save_file
 from backends import nvfp4
 from checkpoints.convert import convert
 from hybridserve.api import DEFAULT_MODEL
-from hybridserve.config import CacheConfig, ConfigError, ModelConfig
+from hybridserve.config import CacheConfig, ConfigError, ModelConfig, MtpConfig
 from hybridserve.inkling_config import inkling_config_json
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.weights.inkling_export import export_inkling
 from hybridserve.weights.safetensors_io import SafetensorsReader, WeightError
-from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
+from tests.hybridserve.inkling_models import (
+    build_inkling,
+    jax_normal,
+    save_inkling,
+    tiny_inkling,
+)
 
 IDS = [int(t) for t in np.random.default_rng(5).integers(7, 4096, size=19)]  # no placeholders
 RNG = np.random.default_rng(6)
@@ -75,6 +83,7 @@ def test_layout_names_shapes_and_tokenizer(dense):
     assert (exported / "model.safetensors").is_file() and (exported / "tokenizer.json").is_file()
     raw = json.loads((exported / "config.json").read_text())
     assert raw["model_type"] == "inkling" and raw["layer_types"][1] == "sliding_attention"
+    assert raw["layout_version"] == 1 and raw["num_nextn_predict_layers"] == 0  # no MTP heads
     t = load_file(exported / "model.safetensors")
     assert t["model.layers.0.self_attn.q_proj.weight"].shape == (32, 48)  # [out, in]
     assert t["model.layers.0.self_attn.o_proj.weight"].shape == (48, 32)
@@ -91,6 +100,47 @@ def test_layout_names_shapes_and_tokenizer(dense):
     up = np.asarray(model.layers[2].ffn.up[...])  # [E, D, F]
     np.testing.assert_array_equal(t["model.layers.2.mlp.experts.5.up_proj.weight"], up[5].T)
     assert len(t) == 3 + 3 * (2 + 6 + 1 + 3 * (8 + 2) + 6) + 4 + 1
+
+
+def _params(tree) -> dict[str, np.ndarray]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
+
+
+def test_mtp_heads_round_trip(tmp_path):
+    cfg = dataclasses.replace(tiny_inkling(), mtp=MtpConfig(num_heads=2))
+    model = build_inkling(cfg, seed=7)
+    rng = nnx.Rngs(8)
+    for head in model.mtp:  # distinct norms, so that a swapped tensor shows
+        for norm in (head.norm_h, head.norm_e, head.norm_o, head.block.norm, head.block.ffn_norm):
+            norm.weight[...] = 1 + 0.5 * jax_normal(rng, norm.weight[...].shape)
+    exported = export_inkling(model, cfg, tmp_path / "hf", max_shard_bytes=100_000)
+    raw = json.loads((exported / "config.json").read_text())
+    assert raw["layout_version"] == 2 and raw["num_nextn_predict_layers"] == 2
+    assert ModelConfig.from_hf(exported) == cfg
+    reader = SafetensorsReader(exported)
+    proj = reader.get("model.mtp.1.proj.weight")  # torch [out, in] = [D, 2D]
+    np.testing.assert_array_equal(proj, np.asarray(model.mtp[1].proj[...]).T)
+    for name, want in [
+        ("model.mtp.0.norm_e.weight", model.mtp[0].norm_e.weight),
+        ("model.mtp.1.norm_o.weight", model.mtp[1].norm_o.weight),
+        ("model.mtp.0.post_attention_layernorm.weight", model.mtp[0].block.ffn_norm.weight),
+        ("model.mtp.1.self_attn.rel_table", model.mtp[1].block.mixer.rel_table),
+    ]:
+        np.testing.assert_array_equal(reader.get(name), np.asarray(want[...]))
+    assert reader.shape("model.mtp.0.self_attn.q_proj.weight") == (32, 48)
+    assert reader.shape("model.mtp.1.mlp.experts.7.down_proj.weight") == (48, 32)
+    assert not any(n.startswith("model.mtp.") and "sconv" in n for n in reader.names())
+    converted = convert(exported, tmp_path / "converted", progress=False)
+    runner, direct = _runner(converted), _runner(save_inkling(model, cfg, tmp_path / "direct"))
+    np.testing.assert_array_equal(
+        np.asarray(runner.sequence_logits(IDS)), np.asarray(direct.sequence_logits(IDS))
+    )
+    got = _params(nnx.to_pure_dict(runner.params))
+    want = _params(nnx.to_pure_dict(nnx.state(model)))
+    assert got.keys() == want.keys() and any(k.startswith("['mtp'][1]") for k in got)
+    for key in got:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 def test_nvfp4_experts_are_stored_losslessly(tmp_path):
@@ -151,9 +201,15 @@ def test_bad_tensor_is_named(dense, tmp_path, name, edit, message):
 def test_unmapped_parameter_is_named(tmp_path):
     cfg = tiny_inkling()
     model = build_inkling(cfg)
-    model.mtp_head = nnx.Param(jnp.zeros((4, 48)))  # as future MTP heads would appear
-    with pytest.raises(WeightError, match=r"no Inkling tensor name for parameters \['mtp_head'\]"):
+    model.draft_head = nnx.Param(jnp.zeros((4, 48)))  # as a future parameter would appear
+    with pytest.raises(
+        WeightError, match=r"no Inkling tensor name for parameters \['draft_head'\]"
+    ):
         export_inkling(model, cfg, tmp_path / "out")
+    # a model with MTP heads exported under a config without them: the heads are named
+    model = build_inkling(dataclasses.replace(cfg, mtp=MtpConfig(num_heads=1)))
+    with pytest.raises(WeightError, match=r"no Inkling tensor name for parameters \['mtp\.0\."):
+        export_inkling(model, cfg, tmp_path / "out2")
 
 
 def test_config_errors(dense, tmp_path):
@@ -165,6 +221,10 @@ def test_config_errors(dense, tmp_path):
         return ModelConfig.from_hf(tmp_path)
 
     assert parse() == cfg
+    del raw["num_nextn_predict_layers"]  # as layout_version 1 files were written: no MTP heads
+    assert parse() == cfg and parse(num_nextn_predict_layers=1).mtp == MtpConfig(num_heads=1)
+    with pytest.raises(ConfigError, match="'num_nextn_predict_layers' = -1 must be >= 0"):
+        parse(num_nextn_predict_layers=-1)
     with pytest.raises(ConfigError, match="missing field 'n_routed_experts'"):
         parse(n_routed_experts=None)
     with pytest.raises(ConfigError, match="'layer_types' has unknown layer kinds \\['mamba'\\]"):
