@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hybridserve.config import CacheConfig, KVTransferConfig
+from hybridserve.config import CacheConfig, KVTransferConfig, SpeculativeConfig
 from hybridserve.engine import EngineConfig, LLMEngine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -47,6 +47,9 @@ class LLM:
       cache: the paged cache's settings (`CacheConfig`: dtypes, conv layout, pool size).
       seed: base seed of requests whose SamplingParams carry none.
       progress: show a progress bar while loading weights.
+      speculative_config: speculative decoding (`SpeculativeConfig` or its fields as a dict,
+        e.g. `{"method": "mtp", "num_speculative_tokens": 3}`): the MTP heads draft, one pass
+        verifies (exact for every sampling setting).
       kv_transfer_config: makes this a prefill (kv_producer) or decode (kv_consumer) engine of
         a disaggregated pair (`KVTransferConfig`); prompts then carry "kv_transfer_params".
     """
@@ -66,6 +69,7 @@ class LLM:
         seed: int = 0,
         progress: bool = True,
         kv_transfer_config: KVTransferConfig | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(
@@ -86,6 +90,11 @@ class LLM:
                 cache=cache or CacheConfig(),
                 seed=seed,
                 kv_transfer=kv_transfer_config,
+                speculative=(
+                    SpeculativeConfig(**speculative_config)
+                    if isinstance(speculative_config, dict)
+                    else speculative_config
+                ),
             ),
             progress=progress,
         )

@@ -22,6 +22,7 @@ from hybridserve.layer_configs import (  # noqa: F401 (re-exported)
     MambaConfig,
     MlpConfig,
     MoeConfig,
+    MtpConfig,
     SconvConfig,
     VisionConfig,
     _require,
@@ -37,7 +38,8 @@ class ModelConfig:
     `lm_head(norm_f(x)) / logits_scaling`; embeddings are scaled by `embedding_multiplier`.
     With `sconv` (the Inkling blocks, attention mixers only), short convolutions act on the
     keys, values, attention output and ffn output (`SconvConfig`). `vision` / `audio` add the
-    multimodal encoders whose embeddings replace placeholder tokens.
+    multimodal encoders whose embeddings replace placeholder tokens; `mtp` the chained draft
+    heads of speculative decoding.
     """
 
     architecture: str
@@ -53,6 +55,7 @@ class ModelConfig:
     sconv: SconvConfig | None = None
     vision: VisionConfig | None = None
     audio: AudioConfig | None = None
+    mtp: MtpConfig | None = None
     tie_word_embeddings: bool = False
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -99,6 +102,8 @@ class ModelConfig:
                     0 <= enc.placeholder_id < self.vocab_size,
                     f"placeholder_id {enc.placeholder_id} is not a token id",
                 )
+        if self.mtp is not None:
+            _require(self.attention is not None, "mtp heads need the attention config")
         if self.vision is not None:
             _require(
                 self.vision.widths[-1] == self.hidden_size,
@@ -137,6 +142,7 @@ class ModelConfig:
             "sconv": SconvConfig,
             "vision": VisionConfig,
             "audio": AudioConfig,
+            "mtp": MtpConfig,
         }
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
@@ -223,6 +229,26 @@ class SchedulerConfig:
         )
         _require(self.max_prefill_chunk >= 1, "max_prefill_chunk must be >= 1")
         _require(self.max_model_len >= 2, "max_model_len must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decode step verifies up to `num_speculative_tokens` draft
+    tokens in one forward pass (`runner.speculative.verify`; exact for every sampling setting).
+    `method`: "mtp" drafts with the model's MTP heads; "oracle" asks `oracle(token_ids, k)` for
+    the next k tokens (perfect drafts for tests and benchmarks: e.g. a recorded greedy run)."""
+
+    num_speculative_tokens: int = 1
+    method: str = "mtp"
+    oracle: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _require(self.method in ("mtp", "oracle"), f"unknown speculative method {self.method!r}")
+        _require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
+        _require(
+            self.method != "oracle" or callable(self.oracle),
+            "the oracle method needs a callable oracle(token_ids, k) -> draft token ids",
+        )
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

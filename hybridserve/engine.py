@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import Scheduler
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
 from hybridserve.runner.sampler import logprobs, sample
+from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     seed: int = 0
     kv_transfer: KVTransferConfig | None = None
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclasses.dataclass
@@ -121,6 +123,11 @@ class LLMEngine:
         self._deferred: list[tuple[str, dict]] = []  # remote requests waiting for pages
         self._abort_after_pull: set[str] = set()
         self._ready: list[RequestOutput] = []  # outputs produced outside a model step
+        self.spec = (
+            None
+            if config.speculative is None
+            else SpecDecoder(config.speculative, self.runner, self.model_config)
+        )
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of a prompt, or ValueError saying what is wrong with it."""
@@ -226,6 +233,8 @@ class LLMEngine:
         """Stop a request now and free its pages (unknown or finished ids are ignored)."""
         if self._tracked.pop(req_id, None) is None:
             return
+        if self.spec is not None:
+            self.spec.forget(req_id)
         self._deferred = [(r, p) for r, p in self._deferred if r != req_id]
         if self.connector is not None and req_id in self.connector.pulls:
             self._abort_after_pull.add(req_id)  # its pages are being written: free them later
@@ -286,11 +295,39 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return ready
+        if self.spec is not None:
+            return ready + self._spec_step(out)
         result = self.runner.execute(out)
         sampled: dict[str, int] = {}
         if result.req_ids:
             tokens = self._sample(result.req_ids, result.logits)
             sampled = dict(zip(result.req_ids, tokens.tolist(), strict=True))
+        return ready + self._finish_step(out, sampled)
+
+    def _spec_step(self, out) -> list[RequestOutput]:
+        """One step with speculative decoding (`runner.spec_decode`, steps 2-5)."""
+        result = self.runner.execute(out, n_logits=self.spec.k + 1)
+        tracked = {
+            c.req_id: self._tracked[c.req_id] for c in out.chunks if c.req_id in self._tracked
+        }
+        keys = {
+            r: jax.random.fold_in(t.key, len(t.request.output_token_ids))
+            for r, t in tracked.items()
+        }
+        params = {r: t.params for r, t in tracked.items()}
+        sampled = {}
+        if result.req_ids:
+            sampled = self.spec.accept(result, out, keys, params, self._sample)
+        outputs = self._finish_step(out, sampled)
+        requests = {r: t.request for r, t in tracked.items()}
+        self.spec.propose(result, out, sampled, requests, params, keys, self.max_model_len)
+        for o in outputs:
+            if o.finished:
+                self.spec.forget(o.request_id)
+        return outputs
+
+    def _finish_step(self, out, sampled: dict) -> list[RequestOutput]:
+        """Record a step's tokens, apply stop strings and build the outputs."""
         finished = {r.req_id for r in self.scheduler.update_from_output(out, sampled)}
         outputs = []
         now = time.perf_counter()
@@ -310,7 +347,7 @@ class LLMEngine:
             outputs.append(self._output(tracked, req_id in finished, now))
             if req_id in finished:
                 del self._tracked[req_id]
-        return ready + outputs
+        return outputs
 
     def _sample(self, req_ids: list[str], logits: jax.Array) -> np.ndarray:
         tracked = [self._tracked[r] for r in req_ids]
@@ -406,4 +443,6 @@ class LLMEngine:
                 transfer_bytes=self.connector.bytes_moved,
                 held_requests=len(s.held),
             )
+        if self.spec is not None:
+            stats.update(self.spec.stats())
         return stats

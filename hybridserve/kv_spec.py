@@ -212,7 +212,7 @@ def layer_specs(
     layout: str | None = None,
 ) -> list[Spec | None]:
     """The spec of every cache entry: one per layer (None for layers without cache: mlp, moe),
-    then the sconv entries (`sconv_entries`)."""
+    then the sconv entries (`sconv_entries`), then the MTP heads' (`mtp_entries`)."""
     specs: list[Spec | None] = []
     for index, kind in enumerate(cfg.layer_types):
         if kind in ("attention", "sliding_attention"):
@@ -227,7 +227,17 @@ def layer_specs(
             a.num_kv_heads, a.head_dim, conv_dtype, sliding_window=cfg.sconv.width - 1
         )
         specs += [sconv] * sum(len(e) for site in sconv_entries(cfg) for e in site.values())
+    if cfg.mtp is not None:
+        specs += [attention_spec(cfg.attention, tp, kv_dtype)] * cfg.mtp.num_heads
     return specs
+
+
+def mtp_entries(cfg: ModelConfig) -> tuple[int, ...]:
+    """The cache entries of the MTP heads' attention (one each), after the sconv entries."""
+    if cfg.mtp is None:
+        return ()
+    first = cfg.num_layers + sum(len(e) for site in sconv_entries(cfg) for e in site.values())
+    return tuple(range(first, first + cfg.mtp.num_heads))
 
 
 SCONV_SITES = ("kv", "out", "ffn")

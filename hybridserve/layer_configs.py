@@ -238,3 +238,15 @@ class AudioConfig:
         lo, hi = self.mel_range
         _require(hi > lo and self.mel_bins > 0, "audio: mel_range must grow, mel_bins > 0")
         _require(self.hop > 0 and self.n_fft > 0, "audio: n_fft and hop must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpConfig:
+    """Multi-token prediction: `num_heads` chained heads, head i proposing the token i + 1
+    places after the base model's next token (`layers.mtp.MtpHead`). Each head is one block of
+    the model's full-attention kind (own KV cache) with the model's ffn, no sconv."""
+
+    num_heads: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.num_heads >= 1, f"mtp num_heads must be >= 1, got {self.num_heads}")

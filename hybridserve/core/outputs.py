@@ -19,6 +19,8 @@ class ScheduledChunk:
     sample:       the chunk ends at the last known token: sample the next token from it.
     mm:           multimodal embeddings inside the chunk: (offsets into token_ids, rows [k, D])
                   that replace those tokens' embeddings; None when there are none.
+    num_drafts:   the last `num_drafts` token_ids are draft tokens to verify (speculative
+                  decoding): the chunk is the last known token followed by the drafts.
     """
 
     req_id: str
@@ -27,6 +29,7 @@ class ScheduledChunk:
     block_tables: tuple[tuple[int, ...], ...]
     sample: bool
     mm: tuple[tuple[int, ...], Any] | None = None
+    num_drafts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,7 @@ class Request:
     num_preemptions: int = 0
     hold_pages: bool = False  # P/D prefill side: keep the pages after finishing until released
     mm: MultimodalInput | None = None
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # to verify next step
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

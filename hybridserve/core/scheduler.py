@@ -171,11 +171,17 @@ class Scheduler:
             self._in_flight_ids = {c.req_id for c in chunks}
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int | list[int]]
+    ) -> list[Request]:
         """Apply a computed step: advance each chunk's request, append its sampled token
         (`sampled[req_id]` for chunks with sample=True), register new prefix units and
         snapshots, apply the stop rules and free finished requests. Returns the requests that
-        finished in this step (aborted ones are not included)."""
+        finished in this step (aborted ones are not included).
+
+        A chunk with drafts gets a list: its accepted drafts then one more token. Only the
+        accepted positions count as computed (the rejected drafts' cache entries are rewritten
+        when those positions are computed again); a stop rule met midway drops the rest."""
         if out is not self._in_flight:
             if out.is_empty and self._in_flight is None:
                 return []
@@ -192,12 +198,20 @@ class Scheduler:
         self._in_flight_ids = set()
         finished: list[Request] = []
         for chunk, request in live:
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.coordinator.on_computed(request)
+            got = sampled.get(chunk.req_id)
+            tokens = [got] if isinstance(got, int) else list(got or [])
+            accepted = max(len(tokens) - 1, 0) if chunk.num_drafts else 0
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts + accepted
+            request.draft_token_ids = []
             if chunk.sample:
-                request.output_token_ids.append(int(sampled[chunk.req_id]))
-                if request.check_stop(self.config.max_model_len):
-                    finished.append(request)
+                for token in tokens:
+                    request.output_token_ids.append(int(token))
+                    if request.check_stop(self.config.max_model_len):
+                        finished.append(request)
+                        break
+            # a stop midway leaves accepted drafts unrecorded: they are not computed tokens
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.coordinator.on_computed(request)
         self.coordinator.finish_step()
         for request in finished:
             self._retire(request, keep_state=True)
@@ -206,6 +220,11 @@ class Scheduler:
     # -- helpers ----------------------------------------------------------------------------
 
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:
+        if request.num_tokens - start == 1 and request.draft_token_ids:
+            # a decode step that verifies drafts: all of them, or none when the budget is short
+            if 1 + len(request.draft_token_ids) <= budget:
+                return 1 + len(request.draft_token_ids)
+            request.draft_token_ids = []
         n = min(request.num_tokens - start, self.config.max_prefill_chunk, budget)
         if self.align_chunks:
             end = start + n
@@ -216,13 +235,15 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        drafts = request.draft_token_ids if n > 1 and request.num_tokens - start == 1 else []
         return ScheduledChunk(
             req_id=request.req_id,
-            token_ids=request.token_slice(start, start + n),
+            token_ids=request.token_slice(start, start + n - len(drafts)) + tuple(drafts),
             start=start,
             block_tables=self.coordinator.block_tables(request),
             sample=start + n == request.num_tokens,
             mm=None if request.mm is None else request.mm.rows(start, start + n),
+            num_drafts=len(drafts),
         )
 
     def _arrival(self, request: Request) -> tuple[float, int]:

@@ -27,89 +27,13 @@ from flax import nnx
 
 from backends.protocol import Ops
 from hybridserve.config import ModelConfig
-from hybridserve.kv_spec import sconv_entries
-from hybridserve.layers.attention import Attention, KvConv
+from hybridserve.kv_spec import mtp_entries
 from hybridserve.layers.linear import param
-from hybridserve.layers.mamba2 import Mamba2
-from hybridserve.layers.mlp import Mlp
-from hybridserve.layers.moe import Moe
 from hybridserve.layers.multimodal import DmelEncoder, HmlpPatchEncoder
 from hybridserve.layers.norm import RMSNorm
-from hybridserve.layers.sconv import ShortConv
 from hybridserve.layers.step_input import StepInput
-
-
-class Block(nnx.Module):
-    """One residual block: a mixer (mamba | attention | mlp | moe) and an optional ffn."""
-
-    def __init__(
-        self, cfg: ModelConfig, index: int, ops: Ops, *, dtype: jnp.dtype, rngs: nnx.Rngs | None
-    ) -> None:
-        d, kw = cfg.hidden_size, dict(dtype=dtype, rngs=rngs)
-        kind = cfg.layer_types[index]
-        self.index, self.kind = index, kind
-        self.norm = RMSNorm(d, cfg.norm_eps, ops, dtype=dtype)
-        if kind == "mamba":
-            self.mixer = Mamba2(d, cfg.mamba, cfg.norm_eps, ops, **kw)
-        elif kind in ("attention", "sliding_attention"):
-            self.mixer = Attention(d, cfg.attention, ops, window=cfg.window(index), **kw)
-        elif kind == "mlp":
-            self.mixer = Mlp(d, cfg.mlp, **kw)
-        else:
-            self.mixer = Moe(d, cfg.moe, ops, **kw)
-        self.ffn_norm = RMSNorm(d, cfg.norm_eps, ops, dtype=dtype) if cfg.ffn else None
-        if cfg.ffn == "mlp":
-            self.ffn = Mlp(d, cfg.mlp, **kw)
-        elif cfg.ffn == "moe":
-            self.ffn = Moe(d, cfg.moe, ops, **kw)
-        else:
-            self.ffn = None
-        self.residual_multiplier = cfg.residual_multiplier
-        self.sconv_entries = sconv_entries(cfg)[index]
-        a = cfg.attention
-        widths = {"kv": 2 * a.num_kv_heads * a.head_dim if a else 0, "out": d, "ffn": d}
-        self.sconv = nnx.data(
-            nnx.Dict({s: ShortConv(widths[s], cfg.sconv, ops, **kw) for s in self.sconv_entries})
-            if cfg.sconv is not None
-            else None
-        )
-
-    def __call__(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
-        """Replaces this layer's regions in `regions` (a Python list) when it is cached."""
-        x = self.norm(h)
-        if self.kind in ("mamba", "attention", "sliding_attention"):
-            r = inputs.layout.layers[self.index].region
-            extra = {} if self.sconv is None else {"kv_conv": self._kv_conv(regions, inputs)}
-            x, regions[r] = self.mixer(x, regions[r], inputs, self.index, **extra)
-        else:
-            x = self.mixer(x)
-        x = self._conv("out", x, regions, inputs)
-        h = h + self.residual_multiplier * x
-        if self.ffn is not None:
-            y = self._conv("ffn", self.ffn(self.ffn_norm(h)), regions, inputs)
-            h = h + self.residual_multiplier * y
-        return h
-
-    def _conv(
-        self, site: str, x: jax.Array, regions: list[jax.Array], inputs: StepInput
-    ) -> jax.Array:
-        if self.sconv is None:
-            return x
-        return self.sconv[site](x, regions, inputs, self.sconv_entries[site])
-
-    def _kv_conv(self, regions: list[jax.Array], inputs: StepInput) -> KvConv:
-        """The keys and values through one sconv (channels: k's, then v's)."""
-        r = inputs.layout.layers[self.index].region
-
-        def conv(k: jax.Array, v: jax.Array, region: jax.Array) -> tuple[jax.Array, ...]:
-            b, t, kv, hd = k.shape
-            regions[r] = region  # the sconv entries may share the attention layer's region
-            u = jnp.concatenate([k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
-            y = self._conv("kv", u, regions, inputs)
-            k, v = y[..., : kv * hd].reshape(k.shape), y[..., kv * hd :].reshape(v.shape)
-            return k, v, regions[r]
-
-        return conv
+from hybridserve.models.block import Block
+from hybridserve.models.mtp import MtpHead
 
 
 class HybridModel(nnx.Module):
@@ -131,6 +55,11 @@ class HybridModel(nnx.Module):
             [Block(cfg, i, ops, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops, dtype=dtype)
+        self.mtp = nnx.data(
+            nnx.List([MtpHead(cfg, e, ops, dtype=dtype, rngs=rngs) for e in mtp_entries(cfg)])
+            if cfg.mtp is not None
+            else None
+        )
         v, a = cfg.vision, cfg.audio
         self.vision = nnx.data(
             HmlpPatchEncoder(v.channels, v.sub_patch, v.widths, dtype=dtype, rngs=rngs)
@@ -177,6 +106,25 @@ class HybridModel(nnx.Module):
         for layer in self.layers:
             h = layer(h, regions, inputs)
         return self.norm_f(h), regions
+
+    def mtp_step(
+        self,
+        head: int,
+        hidden: jax.Array,
+        tokens: jax.Array,
+        inputs: StepInput,
+        regions: list[jax.Array],
+    ) -> tuple[jax.Array, list[jax.Array]]:
+        """MTP head `head` (0-based) over [B, T] positions: `hidden` the previous head's (or
+        the base model's) states, `tokens` the tokens head+1 places ahead. Returns its states
+        and the updated regions; `mtp_logits` gives its proposals."""
+        regions = list(regions)
+        embeds = self.embed[...][tokens] * self.config.embedding_multiplier
+        return self.mtp[head](hidden, embeds, regions, inputs), regions
+
+    def mtp_logits(self, head: int, hidden: jax.Array) -> jax.Array:
+        """[..., D] states of MTP head `head` -> [..., V] float32 logits of its proposals."""
+        return self.logits(self.mtp[head].norm_o(hidden))
 
     def embed_image(self, image: jax.Array) -> jax.Array:
         """An image [H, W, C] -> its patch embeddings [H/P * W/P, D] (raster order)."""

@@ -34,6 +34,7 @@ class BatchArrays:
     num_rows: int  # real rows (the rest is padding)
     embeds: np.ndarray | None = None  # [B, T, D] float32 multimodal rows, or None
     embed_mask: np.ndarray | None = None  # [B, T] bool: where `embeds` replace tokens
+    num_drafts: np.ndarray | None = None  # [B] int32 draft tokens at the end of each row
 
 
 def table_width(plan: CachePlan, max_model_len: int) -> int:
@@ -89,4 +90,6 @@ def build_batch(
                 offsets, values = c.mm
                 embeds[i, list(offsets)] = np.asarray(values, np.float32)
                 mask[i, list(offsets)] = True
-    return BatchArrays(tokens, positions, lengths, tuple(tables), n, embeds, mask)
+    drafts = np.zeros(rows, np.int32)
+    drafts[:n] = [c.num_drafts for c in chunks]
+    return BatchArrays(tokens, positions, lengths, tuple(tables), n, embeds, mask, drafts)

@@ -93,11 +93,22 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
 
 
 @dataclasses.dataclass
+class StepPass:
+    """One forward program of a step: its chunks, its batch and its final hidden states."""
+
+    chunks: list[ScheduledChunk]
+    batch: BatchArrays
+    hidden: jax.Array
+
+
+@dataclasses.dataclass
 class StepLogits:
-    """Logits [n, V] (float32, on device) of the chunks that sample, in `req_ids` order."""
+    """Logits [n, V] (or [n, n_logits, V]; float32, on device) of the chunks that sample, in
+    `req_ids` order; `passes` (speculative decoding) the programs the MTP heads continue."""
 
     req_ids: list[str]
     logits: jax.Array | None
+    passes: list[StepPass] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -131,11 +142,18 @@ class ModelRunner:
         # Fixed output shardings: the regions come back exactly as they went in, so a copy
         # followed by a step (or the reverse) never looks like a new input to either program.
         regions_out = [sharding] * plan.num_regions
+        replicated = NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(
             self._forward,
             donate_argnums=(1,),
-            static_argnames=("last_only",),
-            out_shardings=(NamedSharding(mesh, PartitionSpec()), regions_out),
+            static_argnames=("n_logits", "keep_hidden"),
+            out_shardings=(replicated, regions_out),
+        )
+        self._mtp = jax.jit(
+            self._mtp_forward,
+            donate_argnums=(1,),
+            static_argnames=("head",),
+            out_shardings=(replicated, regions_out),
         )
         self._embed_fns: dict[str, object] = {}
         self._copy = jax.jit(
@@ -155,14 +173,34 @@ class ModelRunner:
         inputs: StepInput,
         embeds: jax.Array | None,
         embed_mask: jax.Array | None,
-        last_only: bool,
-    ) -> tuple[jax.Array, list]:
+        num_drafts: jax.Array,
+        n_logits: int | None,
+        keep_hidden: bool,
+    ) -> tuple[tuple[jax.Array, jax.Array | None], list]:
         model = nnx.merge(self.graphdef, params)
         hidden, regions = model(tokens, inputs, regions, embeds, embed_mask)
-        if last_only:
-            rows = jnp.arange(hidden.shape[0])
-            hidden = hidden[rows, jnp.maximum(inputs.lengths - 1, 0)]
-        return model.logits(hidden), regions
+        picked = hidden
+        if n_logits is not None:  # each row's last token before its drafts, then the drafts
+            first = jnp.maximum(inputs.lengths - 1 - num_drafts, 0)
+            idx = first[:, None] + jnp.arange(n_logits)[None, :]
+            idx = jnp.clip(idx, 0, hidden.shape[1] - 1)
+            picked = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [B, n, D]
+        return (model.logits(picked), hidden if keep_hidden else None), regions
+
+    def _mtp_forward(
+        self,
+        params: nnx.State,
+        regions: list,
+        hidden: jax.Array,
+        tokens: jax.Array,
+        inputs: StepInput,
+        head: int,
+    ) -> tuple[tuple[jax.Array, jax.Array], list]:
+        model = nnx.merge(self.graphdef, params)
+        states, regions = model.mtp_step(head, hidden, tokens, inputs, regions)
+        rows = jnp.arange(states.shape[0])
+        last = states[rows, jnp.maximum(inputs.lengths - 1, 0)]
+        return (states, model.mtp_logits(head, last)), regions
 
     def embed_multimodal(self, kind: str, item: np.ndarray) -> np.ndarray:
         """One image ([H, W, C]) or waveform ([S]) -> its embeddings [n, D] (float32, host)."""
@@ -181,35 +219,77 @@ class ModelRunner:
         arr[: len(copies)] = copies
         self.regions = self._copy(self.regions, jnp.asarray(arr), self.layout.page_rows)
 
-    def run(self, batch: BatchArrays, last_only: bool = True) -> jax.Array:
-        """One forward call; logits [rows, V] of each row's last token (or [rows, T, V])."""
-        inputs = StepInput(
+    def _inputs(self, batch: BatchArrays) -> StepInput:
+        return StepInput(
             positions=jnp.asarray(batch.positions),
             lengths=jnp.asarray(batch.lengths),
             tables=tuple(jnp.asarray(t) for t in batch.tables),
             layout=self.layout,
         )
-        mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
-        logits, self.regions = self._step(
-            self.params, self.regions, jnp.asarray(batch.tokens), inputs, *mm, last_only=last_only
-        )
-        return logits[: batch.num_rows]
 
-    def execute(self, out: SchedulerOutput) -> StepLogits:
-        """Run one scheduled step; return the logits of the chunks that sample."""
+    def run(
+        self, batch: BatchArrays, n_logits: int | None = 1, keep_hidden: bool = False
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """One forward call. Returns logits [rows, n_logits, V] of each row's last token
+        before its drafts and of its drafts (`n_logits=None`: every position, [rows, T, V]), and
+        with `keep_hidden` the final hidden states [B, T, D] of every (padded) row."""
+        mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
+        drafts = np.zeros(batch.tokens.shape[0], np.int32)
+        if batch.num_drafts is not None:
+            drafts = batch.num_drafts
+        (logits, hidden), self.regions = self._step(
+            self.params,
+            self.regions,
+            jnp.asarray(batch.tokens),
+            self._inputs(batch),
+            *mm,
+            jnp.asarray(drafts),
+            n_logits=n_logits,
+            keep_hidden=keep_hidden,
+        )
+        return logits[: batch.num_rows], hidden
+
+    def mtp(
+        self, head: int, hidden: jax.Array, tokens: np.ndarray, batch: BatchArrays
+    ) -> tuple[jax.Array, jax.Array]:
+        """MTP head `head` over `batch`'s rows (its `lengths`: the valid positions): `hidden`
+        [B, T, D] the previous head's (or the base model's) states, `tokens` [B, T] the tokens
+        head + 1 places ahead. Returns the head's states [B, T, D] and its proposal logits
+        [rows, V] at each row's last valid position."""
+        (states, logits), self.regions = self._mtp(
+            self.params,
+            self.regions,
+            hidden,
+            jnp.asarray(tokens),
+            self._inputs(batch),
+            head=head,
+        )
+        return states, logits[: batch.num_rows]
+
+    def execute(self, out: SchedulerOutput, n_logits: int = 1) -> StepLogits:
+        """Run one scheduled step; return the logits of the chunks that sample: [n, V], or with
+        `n_logits` > 1 (speculative decoding) [n, n_logits, V] (the last token before the drafts,
+        then the drafts) together with each program's hidden states (`StepLogits.passes`)."""
         self.copy_pages(out.page_copies)
-        decode = [c for c in out.chunks if len(c.token_ids) == 1]
-        prefill = [c for c in out.chunks if len(c.token_ids) > 1]
+        decode = [c for c in out.chunks if len(c.token_ids) - c.num_drafts == 1]
+        prefill = [c for c in out.chunks if len(c.token_ids) - c.num_drafts > 1]
         got: dict[str, jax.Array] = {}
+        passes = []
         for chunks, min_tokens in ((decode, 1), (prefill, 16)):
             if not chunks:
                 continue
-            logits = self.run(build_batch(chunks, self.plan, self.max_model_len, min_tokens))
+            batch = build_batch(chunks, self.plan, self.max_model_len, min_tokens)
+            logits, hidden = self.run(batch, n_logits, keep_hidden=n_logits > 1)
+            if n_logits == 1:
+                logits = logits[:, 0]
+            else:
+                passes.append(StepPass(chunks, batch, hidden))
             for i, c in enumerate(chunks):
                 if c.sample:
                     got[c.req_id] = logits[i]
         order = [c.req_id for c in out.chunks if c.sample]
-        return StepLogits(order, jnp.stack([got[r] for r in order]) if order else None)
+        stacked = jnp.stack([got[r] for r in order]) if order else None
+        return StepLogits(order, stacked, passes)
 
     def warmup(self, max_num_seqs: int, max_prefill_chunk: int) -> int:
         """Compile every program `execute` can need for batches of up to `max_num_seqs` rows and
@@ -238,9 +318,8 @@ class ModelRunner:
 
     def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
         """All-position logits [T, V] of one chunk (for checks and verification)."""
-        return self.run(build_batch([chunk], self.plan, self.max_model_len, 16), last_only=False)[
-            0, : len(chunk.token_ids)
-        ]
+        batch = build_batch([chunk], self.plan, self.max_model_len, 16)
+        return self.run(batch, n_logits=None)[0][0, : len(chunk.token_ids)]
 
     def region_addresses(self) -> list[list[int]]:
         """Device addresses of every region's shards (constant for the runner's life)."""
