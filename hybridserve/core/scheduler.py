@@ -241,7 +241,7 @@ class Scheduler:
             token_ids=request.token_slice(start, start + n - len(drafts)) + tuple(drafts),
             start=start,
             block_tables=self.coordinator.block_tables(request),
-            sample=start + n == request.num_tokens,
+            sample=start + n - len(drafts) == request.num_tokens,
             mm=None if request.mm is None else request.mm.rows(start, start + n),
             num_drafts=len(drafts),
         )
