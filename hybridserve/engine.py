@@ -350,8 +350,11 @@ class LLMEngine:
         return outputs
 
     def _sample(self, req_ids: list[str], logits: jax.Array) -> np.ndarray:
+        """One token for each of `req_ids` from its row of `logits` (rows beyond them are
+        padding: they get the first request's parameters)."""
         tracked = [self._tracked[r] for r in req_ids]
-        params = [t.params for t in tracked]
+        pad = logits.shape[0] - len(tracked)
+        params = [t.params for t in tracked] + [tracked[0].params] * pad
         n_out = [len(t.request.output_token_ids) for t in tracked]
         blocked = [i for i, t in enumerate(tracked) if n_out[i] < t.params.min_tokens]
         if blocked:  # no EOS or stop token before min_tokens
@@ -359,9 +362,8 @@ class LLMEngine:
                 stops = sorted(tracked[i].request.eos_token_ids | tracked[i].request.stop_token_ids)
                 if stops:
                     logits = logits.at[i, jnp.asarray(stops)].set(-jnp.inf)
-        keys = jnp.stack(
-            [jax.random.fold_in(t.key, n) for t, n in zip(tracked, n_out, strict=True)]
-        )
+        keys = [jax.random.fold_in(t.key, n) for t, n in zip(tracked, n_out, strict=True)]
+        keys = jnp.stack(keys + keys[:1] * pad)
         tokens = sample(
             logits,
             jnp.array([p.temperature for p in params], jnp.float32),
@@ -381,7 +383,7 @@ class LLMEngine:
                     }
                     entry[int(tokens[i])] = float(chosen[i])
                     t.logprobs.append(entry)
-        return np.asarray(tokens)
+        return np.asarray(tokens)[: len(tracked)]
 
     def _stop_string(self, tracked: _Tracked) -> str | None:
         """The first stop string in the text so far (the text is cut before it), or None."""

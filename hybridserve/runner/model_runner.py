@@ -92,6 +92,25 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
     )
 
 
+@jax.jit
+def _take_rows(sources: list[jax.Array], rows: jax.Array) -> jax.Array:
+    return jnp.concatenate(sources, axis=0)[rows]
+
+
+def _gather_rows(
+    got: dict[str, tuple[int, int]], order: list[str], sources: list[jax.Array]
+) -> jax.Array | None:
+    """The rows of `order` from the programs' logits, padded to a power of two (the padding
+    repeats the first row), so that a few shapes serve every batch."""
+    if not order:
+        return None
+    offsets = np.cumsum([0] + [s.shape[0] for s in sources])
+    rows = np.zeros(bucket(len(order)), np.int32)
+    rows[: len(order)] = [offsets[got[r][0]] + got[r][1] for r in order]
+    rows[len(order) :] = rows[0]
+    return _take_rows(sources, jnp.asarray(rows))
+
+
 @dataclasses.dataclass
 class StepPass:
     """One forward program of a step: its chunks, its batch and its final hidden states."""
@@ -103,8 +122,9 @@ class StepPass:
 
 @dataclasses.dataclass
 class StepLogits:
-    """Logits [n, V] (or [n, n_logits, V]; float32, on device) of the chunks that sample, in
-    `req_ids` order; `passes` (speculative decoding) the programs the MTP heads continue."""
+    """Logits [n', V] (or [n', n_logits, V]; float32, on device) of the chunks that sample, in
+    `req_ids` order (n' >= len(req_ids): padded to a power of two); `passes` (speculative
+    decoding) the programs the MTP heads continue."""
 
     req_ids: list[str]
     logits: jax.Array | None
@@ -230,9 +250,9 @@ class ModelRunner:
     def run(
         self, batch: BatchArrays, n_logits: int | None = 1, keep_hidden: bool = False
     ) -> tuple[jax.Array, jax.Array | None]:
-        """One forward call. Returns logits [rows, n_logits, V] of each row's last token
-        before its drafts and of its drafts (`n_logits=None`: every position, [rows, T, V]), and
-        with `keep_hidden` the final hidden states [B, T, D] of every (padded) row."""
+        """One forward call. Returns logits [B, n_logits, V] of each (padded) row's last token
+        before its drafts and of its drafts (`n_logits=None`: every position, [B, T, V]), and
+        with `keep_hidden` the final hidden states [B, T, D]."""
         mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
         drafts = np.zeros(batch.tokens.shape[0], np.int32)
         if batch.num_drafts is not None:
@@ -247,7 +267,7 @@ class ModelRunner:
             n_logits=n_logits,
             keep_hidden=keep_hidden,
         )
-        return logits[: batch.num_rows], hidden
+        return logits, hidden
 
     def mtp(
         self, head: int, hidden: jax.Array, tokens: np.ndarray, batch: BatchArrays
@@ -255,7 +275,7 @@ class ModelRunner:
         """MTP head `head` over `batch`'s rows (its `lengths`: the valid positions): `hidden`
         [B, T, D] the previous head's (or the base model's) states, `tokens` [B, T] the tokens
         head + 1 places ahead. Returns the head's states [B, T, D] and its proposal logits
-        [rows, V] at each row's last valid position."""
+        [B, V] at each (padded) row's last valid position."""
         (states, logits), self.regions = self._mtp(
             self.params,
             self.regions,
@@ -264,7 +284,7 @@ class ModelRunner:
             self._inputs(batch),
             head=head,
         )
-        return states, logits[: batch.num_rows]
+        return states, logits
 
     def execute(self, out: SchedulerOutput, n_logits: int = 1) -> StepLogits:
         """Run one scheduled step; return the logits of the chunks that sample: [n, V], or with
@@ -273,7 +293,8 @@ class ModelRunner:
         self.copy_pages(out.page_copies)
         decode = [c for c in out.chunks if len(c.token_ids) - c.num_drafts == 1]
         prefill = [c for c in out.chunks if len(c.token_ids) - c.num_drafts > 1]
-        got: dict[str, jax.Array] = {}
+        got: dict[str, tuple[int, int]] = {}
+        sources: list[jax.Array] = []
         passes = []
         for chunks, min_tokens in ((decode, 1), (prefill, 16)):
             if not chunks:
@@ -286,10 +307,10 @@ class ModelRunner:
                 passes.append(StepPass(chunks, batch, hidden))
             for i, c in enumerate(chunks):
                 if c.sample:
-                    got[c.req_id] = logits[i]
+                    got[c.req_id] = (len(sources), i)
+            sources.append(logits)
         order = [c.req_id for c in out.chunks if c.sample]
-        stacked = jnp.stack([got[r] for r in order]) if order else None
-        return StepLogits(order, stacked, passes)
+        return StepLogits(order, _gather_rows(got, order, sources), passes)
 
     def warmup(self, max_num_seqs: int, max_prefill_chunk: int) -> int:
         """Compile every program `execute` can need for batches of up to `max_num_seqs` rows and

@@ -52,7 +52,8 @@ class SpecDecoder:
             )
         if cfg.mamba is not None and "mamba" in cfg.layer_types:
             raise ValueError("speculative decoding cannot roll back Mamba states yet")
-        self._q: dict[str, jax.Array] = {}  # req_id -> [n, V] draft distributions
+        self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (0-padded)
+        self._zeros: jax.Array | None = None
         self.num_drafts = self.num_accepted = self.num_steps = 0
 
     def accept(
@@ -63,45 +64,49 @@ class SpecDecoder:
         params: dict[str, SamplingParams],
         sample_plain,
     ) -> dict[str, int | list[int]]:
-        """Tokens per sampling request: an int (no drafts: `sample_plain(req_ids, logits)`)
-        or the accepted drafts and one more token (a list)."""
+        """Tokens per sampling request: an int for rows without drafts (drawn by
+        `sample_plain(req_ids, logits)`, exactly as without speculation) or, for rows with
+        drafts, the accepted drafts and one more token (a list). Every array is padded to the
+        logits' power-of-two row count, so that a few shapes serve every batch."""
         chunks = {c.req_id: c for c in out.chunks}
-        plain = [i for i, r in enumerate(result.req_ids) if not chunks[r].num_drafts]
-        drafted = [i for i, r in enumerate(result.req_ids) if chunks[r].num_drafts]
-        sampled: dict[str, int | list[int]] = {}
-        if plain:
-            ids = [result.req_ids[i] for i in plain]
-            tokens = sample_plain(ids, result.logits[jnp.asarray(plain), 0])
-            sampled.update(zip(ids, (int(t) for t in tokens), strict=True))
-        if drafted:
-            ids = [result.req_ids[i] for i in drafted]
-            vocab = result.logits.shape[-1]
-            drafts = np.zeros((len(ids), self.k), np.int32)
-            probs = []
-            for j, r in enumerate(ids):
-                c = chunks[r]
-                drafts[j, : c.num_drafts] = c.token_ids[-c.num_drafts :]
-                q = self._q.pop(r, None)
-                q = jnp.zeros((0, vocab)) if q is None else q[: c.num_drafts]
-                probs.append(jnp.pad(q, ((0, self.k - q.shape[0]), (0, 0))))
-            p = [params[r] for r in ids]
-            tokens, emitted = verify(
-                jnp.asarray(drafts),
-                jnp.stack(probs),
-                jnp.asarray([chunks[r].num_drafts for r in ids], jnp.int32),
-                result.logits[jnp.asarray(drafted)],
-                jnp.asarray([x.temperature for x in p], jnp.float32),
-                jnp.asarray([x.top_k for x in p], jnp.int32),
-                jnp.asarray([x.top_p for x in p], jnp.float32),
-                jnp.asarray([x.min_p for x in p], jnp.float32),
-                jnp.stack([keys[r] for r in ids]),
-            )
-            tokens, emitted = np.asarray(tokens), np.asarray(emitted)
-            for j, r in enumerate(ids):
-                sampled[r] = tokens[j, : emitted[j]].tolist()
-                self.num_drafts += chunks[r].num_drafts
-                self.num_accepted += int(emitted[j]) - 1
-                self.num_steps += 1
+        ids = result.req_ids
+        plain = sample_plain(ids, result.logits[:, 0])
+        sampled: dict[str, int | list[int]] = {
+            r: int(plain[i]) for i, r in enumerate(ids) if not chunks[r].num_drafts
+        }
+        drafted = [i for i, r in enumerate(ids) if chunks[r].num_drafts]
+        if not drafted:
+            return sampled
+        rows, vocab = result.logits.shape[0], result.logits.shape[-1]
+        if self._zeros is None:
+            self._zeros = jnp.zeros((self.k, vocab), jnp.float32)
+        drafts = np.zeros((rows, self.k), np.int32)
+        num = np.zeros(rows, np.int32)
+        probs = [self._zeros] * rows
+        for i in drafted:
+            c = chunks[ids[i]]
+            num[i] = c.num_drafts
+            drafts[i, : c.num_drafts] = c.token_ids[-c.num_drafts :]
+            probs[i] = self._q.pop(ids[i], self._zeros)
+        p = [params[r] for r in ids] + [params[ids[0]]] * (rows - len(ids))
+        row_keys = [keys[r] for r in ids]
+        tokens, emitted = verify(
+            jnp.asarray(drafts),
+            jnp.stack(probs),
+            jnp.asarray(num),
+            result.logits,
+            jnp.asarray([x.temperature for x in p], jnp.float32),
+            jnp.asarray([x.top_k for x in p], jnp.int32),
+            jnp.asarray([x.top_p for x in p], jnp.float32),
+            jnp.asarray([x.min_p for x in p], jnp.float32),
+            jnp.stack(row_keys + row_keys[:1] * (rows - len(ids))),
+        )
+        tokens, emitted = np.asarray(tokens), np.asarray(emitted)
+        for i in drafted:
+            sampled[ids[i]] = tokens[i, : emitted[i]].tolist()
+            self.num_drafts += int(num[i])
+            self.num_accepted += int(emitted[i]) - 1
+            self.num_steps += 1
         return sampled
 
     def _budget(self, request: Request, params: SamplingParams, max_model_len: int) -> int:
@@ -153,34 +158,59 @@ class SpecDecoder:
         starts = batch.positions[:, 0]
         valid = dataclasses.replace(batch, lengths=lengths)
         qs: dict[int, list[jax.Array]] = {i: [] for i in range(rows)}
-        hidden, t = p.hidden, batch.tokens.shape[1]
+        hidden = p.hidden
         live = [i for i, c in enumerate(p.chunks) if want.get(c.req_id)]
+        if not live:  # the heads still run: their caches cover these positions
+            for head in range(self.k):
+                hidden, _ = self.runner.mtp(head, hidden, self._look_ahead(head, starts, seqs,
+                                            drafts, batch), valid)  # fmt: skip
+            return
+        greedy = SamplingParams(temperature=0.0)
+        rows_params = [greedy] * batch.tokens.shape[0]
+        row_keys = [None] * batch.tokens.shape[0]
+        for i in live:
+            rows_params[i] = params[p.chunks[i].req_id]
+            row_keys[i] = keys[p.chunks[i].req_id]
+        row_keys = [k if k is not None else row_keys[live[0]] for k in row_keys]
+        arrays = _param_arrays(rows_params)
         for head in range(self.k):
-            tokens = np.zeros_like(batch.tokens)
-            for i in range(rows):
-                seq = np.concatenate([seqs[i], np.asarray(drafts[i], np.int32)])
-                idx = starts[i] + np.arange(t) + head + 1
-                tokens[i] = np.where(idx < len(seq), seq[np.minimum(idx, len(seq) - 1)], 0)
+            tokens = self._look_ahead(head, starts, seqs, drafts, batch)
             hidden, logits = self.runner.mtp(head, hidden, tokens, valid)
-            if not live:
-                continue
-            ids = [p.chunks[i].req_id for i in live]
-            picked, q = _draw(logits[jnp.asarray(live)], [params[r] for r in ids],
-                              [jax.random.fold_in(keys[r], 7919 + head) for r in ids])  # fmt: skip
-            for j, i in enumerate(live):
-                drafts[i].append(int(picked[j]))
-                if q is not None:
-                    qs[i].append(q[j])
+            head_keys = jnp.stack([jax.random.fold_in(k, 7919 + head) for k in row_keys])
+            picked, q = _draw(logits, *arrays, head_keys)
+            picked = np.asarray(picked)
+            for i in live:
+                drafts[i].append(int(picked[i]))
+                qs[i].append(q[i])
         for i in live:
             r = p.chunks[i].req_id
-            n = want[r]
-            self._set(requests[r], drafts[i][:n], jnp.stack(qs[i][:n]) if qs[i] else None)
+            self._set(requests[r], drafts[i][: want[r]], qs[i][: want[r]])
 
-    def _set(self, request: Request, drafts: list[int], q: jax.Array | None) -> None:
+    @staticmethod
+    def _look_ahead(head, starts, seqs, drafts, batch) -> np.ndarray:
+        """[B, T] the token head + 1 places after each position (0 past the known ones)."""
+        tokens = np.zeros_like(batch.tokens)
+        t = tokens.shape[1]
+        for i, seq in enumerate(seqs):
+            seq = np.concatenate([seq, np.asarray(drafts[i], np.int32)])
+            if not len(seq):
+                continue
+            idx = starts[i] + np.arange(t) + head + 1
+            tokens[i] = np.where(idx < len(seq), seq[np.minimum(idx, len(seq) - 1)], 0)
+        return tokens
+
+    def _set(self, request: Request, drafts: list[int], qs: list[jax.Array] | None) -> None:
+        """Give `request` its drafts and keep their distributions, [k, V] zero-padded (None:
+        deterministic drafts, one-hot)."""
         request.draft_token_ids = list(drafts)
-        if q is None:  # deterministic drafts: one-hot distributions
-            vocab = self.runner.cfg.vocab_size
-            q = jax.nn.one_hot(jnp.asarray(drafts, jnp.int32), vocab, dtype=jnp.float32)
+        vocab = self.runner.cfg.vocab_size
+        if not qs:
+            padded = np.zeros(self.k, np.int32)
+            padded[: len(drafts)] = drafts
+            mask = (np.arange(self.k) < len(drafts))[:, None]
+            q = jax.nn.one_hot(jnp.asarray(padded), vocab, dtype=jnp.float32) * mask
+        else:
+            q = jnp.stack(list(qs) + [jnp.zeros(vocab, jnp.float32)] * (self.k - len(qs)))
         self._q[request.req_id] = q
 
     def forget(self, req_id: str) -> None:
@@ -197,24 +227,30 @@ class SpecDecoder:
         }
 
 
-def _draw(
-    logits: jax.Array, params: list[SamplingParams], keys: list[jax.Array]
-) -> tuple[np.ndarray, jax.Array | None]:
-    """Draft tokens from head logits [n, V] under each row's sampling params, and the
-    distributions they were drawn from (None when every row is greedy)."""
-    temp = jnp.asarray([p.temperature for p in params], jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    if all(p.temperature <= 0 for p in params):
-        return np.asarray(greedy), None
-    scaled = filtered_logits(
-        logits,
-        temp,
+def _param_arrays(params: list[SamplingParams]) -> tuple[jax.Array, ...]:
+    return (
+        jnp.asarray([p.temperature for p in params], jnp.float32),
         jnp.asarray([p.top_k for p in params], jnp.int32),
         jnp.asarray([p.top_p for p in params], jnp.float32),
         jnp.asarray([p.min_p for p in params], jnp.float32),
     )
-    drawn = jax.vmap(jax.random.categorical)(jnp.stack(keys), scaled)
-    picked = jnp.where(temp <= 0, greedy, drawn)
-    q = jnp.where((temp <= 0)[:, None], jax.nn.one_hot(greedy, logits.shape[-1]),
-                  jax.nn.softmax(scaled, axis=-1))  # fmt: skip
-    return np.asarray(picked), q
+
+
+@jax.jit
+def _draw(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Draft tokens from head logits [B, V] under each row's sampling params, and the
+    distributions they were drawn from (one-hot for greedy rows)."""
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = filtered_logits(logits, temperature, top_k, top_p, min_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+    hot = temperature[:, None] <= 0
+    picked = jnp.where(hot[:, 0], greedy, drawn)
+    q = jnp.where(hot, jax.nn.one_hot(greedy, logits.shape[-1]), jax.nn.softmax(scaled, -1))
+    return picked, q
