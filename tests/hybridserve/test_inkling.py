@@ -12,6 +12,7 @@ from flax import nnx
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig
 from hybridserve.runner.factory import make_runner
+from hybridserve.runner.multimodal_prompt import multimodal_prompt
 from tests.hybridserve.inkling_models import (
     AUDIO_TOKEN,
     IMAGE_TOKEN,
@@ -143,3 +144,33 @@ def test_reference_splices_embeddings_at_placeholders(tiny):
     assert np.abs(swapped[4:] - got[4:]).max() > 1e-2 * np.abs(got).max()
     with pytest.raises(AssertionError, match="placeholders for"):
         reference_logits(params, cfg, ids, images=images + images[:1], audios=[wave])
+
+
+def test_multimodal_prompt_logits_match_numpy(tmp_path):
+    # Two images (6 and 4 patches) and a waveform (9 frames) spliced into a text prompt, one
+    # placeholder per item expanded by the engine: the engine's prompt logits equal the numpy
+    # reference, which embeds the inputs itself (hMLP, dMel) and splices them in order.
+    cfg = tiny_inkling()
+    model = build_inkling(cfg, seed=2)
+    rng = np.random.default_rng(5)
+    for b in model.vision.biases:
+        b[...] = jnp.asarray(0.3 * rng.normal(size=b[...].shape), jnp.float32)
+    path = save_inkling(model, cfg, tmp_path / "ckpt")
+    params = nnx.to_pure_dict(nnx.state(model))
+    runner = make_runner(path, dtype="float32", cache=CacheConfig(num_pages=64), max_model_len=64)
+    images = [rng.normal(size=(8, 12, 3)).astype(np.float32), rng.random((8, 8, 3), np.float32)]
+    wave = rng.normal(size=300).astype(np.float32)
+    text = _ids(rng, 9, cfg.vocab_size).tolist()
+    ids = text[:3] + [IMAGE_TOKEN] + text[3:5] + [AUDIO_TOKEN, IMAGE_TOKEN] + text[5:]
+    full, mm = multimodal_prompt(
+        ids, {"image": images, "audio": [wave]}, cfg, runner.embed_multimodal
+    )
+    assert len(full) == 9 + 6 + 4 + 9
+    got = np.asarray(runner.sequence_logits(full, mm), np.float64)
+    want = reference_logits(params, cfg, np.asarray(full), images=images, audios=[wave])
+    scale = np.abs(want).max()
+    assert scale > 0.5
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    # the inputs matter: the same prompt with the placeholders' own token embeddings differs
+    plain = np.asarray(runner.sequence_logits(full), np.float64)
+    assert np.abs(plain - want).max() > 1e-2 * scale
