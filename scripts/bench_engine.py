@@ -86,6 +86,7 @@ def make_llm(model: str, c: int, mode: str, args: argparse.Namespace, reference=
         cache=cache,
         progress=False,
         speculative_config=spec,
+        backend=args.backend,
     )
 
 
@@ -150,6 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--mtp-heads", type=int, default=3, help="MTP heads of --random-config (default 3)")
     add("--save-dir", type=Path, help="save the random model here (default: a temporary dir)")
+    add("--backend", default="xla", help="op backend: xla | pallas | torch (default xla)")
     add("--dtype", choices=["float32", "bfloat16"], help="default: the model's (tiny f32)")
     add("--speculative", nargs="+", choices=MODES, default=["none"], help="modes to compare")
     add("--num-speculative-tokens", type=int, default=3, help="drafts per step (default 3)")
