@@ -306,7 +306,8 @@ class LLMEngine:
 
     def _spec_step(self, out) -> list[RequestOutput]:
         """One step with speculative decoding (`runner.spec_decode`, steps 2-5)."""
-        result = self.runner.execute(out, n_logits=self.spec.k + 1)
+        mtp = self.spec.config.method == "mtp"
+        result = self.runner.execute(out, n_logits=self.spec.k + 1, keep_hidden=mtp)
         tracked = {
             c.req_id: self._tracked[c.req_id] for c in out.chunks if c.req_id in self._tracked
         }

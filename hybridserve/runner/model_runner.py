@@ -286,10 +286,13 @@ class ModelRunner:
         )
         return states, logits
 
-    def execute(self, out: SchedulerOutput, n_logits: int = 1) -> StepLogits:
+    def execute(
+        self, out: SchedulerOutput, n_logits: int = 1, keep_hidden: bool = False
+    ) -> StepLogits:
         """Run one scheduled step; return the logits of the chunks that sample: [n, V], or with
         `n_logits` > 1 (speculative decoding) [n, n_logits, V] (the last token before the drafts,
-        then the drafts) together with each program's hidden states (`StepLogits.passes`)."""
+        then the drafts); `keep_hidden`: with each program's hidden states (`StepLogits.passes`,
+        for the MTP heads)."""
         self.copy_pages(out.page_copies)
         decode = [c for c in out.chunks if len(c.token_ids) - c.num_drafts == 1]
         prefill = [c for c in out.chunks if len(c.token_ids) - c.num_drafts > 1]
@@ -300,10 +303,10 @@ class ModelRunner:
             if not chunks:
                 continue
             batch = build_batch(chunks, self.plan, self.max_model_len, min_tokens)
-            logits, hidden = self.run(batch, n_logits, keep_hidden=n_logits > 1)
+            logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden)
             if n_logits == 1:
                 logits = logits[:, 0]
-            else:
+            if keep_hidden:
                 passes.append(StepPass(chunks, batch, hidden))
             for i, c in enumerate(chunks):
                 if c.sample:

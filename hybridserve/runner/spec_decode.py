@@ -35,7 +35,7 @@ from hybridserve.core.outputs import SchedulerOutput
 from hybridserve.core.request import Request, RequestStatus
 from hybridserve.runner.model_runner import ModelRunner, StepLogits
 from hybridserve.runner.sampler import filtered_logits
-from hybridserve.runner.speculative import verify
+from hybridserve.runner.speculative import verify, verify_greedy
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -87,20 +87,21 @@ class SpecDecoder:
             c = chunks[ids[i]]
             num[i] = c.num_drafts
             drafts[i, : c.num_drafts] = c.token_ids[-c.num_drafts :]
-            probs[i] = self._q.pop(ids[i], self._zeros)
+            q = self._q.pop(ids[i], None)
+            probs[i] = self._zeros if q is None else q
         p = [params[r] for r in ids] + [params[ids[0]]] * (rows - len(ids))
         row_keys = [keys[r] for r in ids]
-        tokens, emitted = verify(
-            jnp.asarray(drafts),
-            jnp.stack(probs),
-            jnp.asarray(num),
-            result.logits,
-            jnp.asarray([x.temperature for x in p], jnp.float32),
-            jnp.asarray([x.top_k for x in p], jnp.int32),
-            jnp.asarray([x.top_p for x in p], jnp.float32),
-            jnp.asarray([x.min_p for x in p], jnp.float32),
-            jnp.stack(row_keys + row_keys[:1] * (rows - len(ids))),
-        )
+        if all(x.temperature <= 0 for x in p):
+            tokens, emitted = verify_greedy(jnp.asarray(drafts), jnp.asarray(num), result.logits)
+        else:
+            tokens, emitted = verify(
+                jnp.asarray(drafts),
+                jnp.stack(probs),
+                jnp.asarray(num),
+                result.logits,
+                *_param_arrays(p),
+                jnp.stack(row_keys + row_keys[:1] * (rows - len(ids))),
+            )
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)
         for i in drafted:
             sampled[ids[i]] = tokens[i, : emitted[i]].tolist()
@@ -140,7 +141,7 @@ class SpecDecoder:
             for r, n in want.items():
                 if n:
                     drafts = [int(t) for t in self.config.oracle(requests[r].all_token_ids, n)]
-                    self._set(requests[r], drafts[:n], None)
+                    self._set(requests[r], drafts[:n], None, params[r].temperature <= 0)
             return
         for p in result.passes:
             self._mtp_pass(p, sampled, requests, params, keys, want)
@@ -165,26 +166,31 @@ class SpecDecoder:
                 hidden, _ = self.runner.mtp(head, hidden, self._look_ahead(head, starts, seqs,
                                             drafts, batch), valid)  # fmt: skip
             return
-        greedy = SamplingParams(temperature=0.0)
-        rows_params = [greedy] * batch.tokens.shape[0]
+        rows_params = [SamplingParams(temperature=0.0)] * batch.tokens.shape[0]
         row_keys = [None] * batch.tokens.shape[0]
         for i in live:
             rows_params[i] = params[p.chunks[i].req_id]
             row_keys[i] = keys[p.chunks[i].req_id]
         row_keys = [k if k is not None else row_keys[live[0]] for k in row_keys]
         arrays = _param_arrays(rows_params)
+        greedy = all(x.temperature <= 0 for x in rows_params)
         for head in range(self.k):
             tokens = self._look_ahead(head, starts, seqs, drafts, batch)
             hidden, logits = self.runner.mtp(head, hidden, tokens, valid)
-            head_keys = jnp.stack([jax.random.fold_in(k, 7919 + head) for k in row_keys])
-            picked, q = _draw(logits, *arrays, head_keys)
-            picked = np.asarray(picked)
+            if greedy:  # one-hot distributions are made on demand (`_set`)
+                picked = np.asarray(_argmax(logits))
+            else:
+                head_keys = jnp.stack([jax.random.fold_in(k, 7919 + head) for k in row_keys])
+                picked, q = _draw(logits, *arrays, head_keys)
+                picked = np.asarray(picked)
             for i in live:
                 drafts[i].append(int(picked[i]))
-                qs[i].append(q[i])
+                if not greedy:
+                    qs[i].append(q[i])
         for i in live:
             r = p.chunks[i].req_id
-            self._set(requests[r], drafts[i][: want[r]], qs[i][: want[r]])
+            greedy_row = params[r].temperature <= 0
+            self._set(requests[r], drafts[i][: want[r]], qs[i][: want[r]], greedy_row)
 
     @staticmethod
     def _look_ahead(head, starts, seqs, drafts, batch) -> np.ndarray:
@@ -199,11 +205,15 @@ class SpecDecoder:
             tokens[i] = np.where(idx < len(seq), seq[np.minimum(idx, len(seq) - 1)], 0)
         return tokens
 
-    def _set(self, request: Request, drafts: list[int], qs: list[jax.Array] | None) -> None:
+    def _set(
+        self, request: Request, drafts: list[int], qs: list[jax.Array] | None, greedy: bool
+    ) -> None:
         """Give `request` its drafts and keep their distributions, [k, V] zero-padded (None:
-        deterministic drafts, one-hot)."""
+        deterministic drafts, one-hot; not kept for greedy requests, whose check ignores q)."""
         request.draft_token_ids = list(drafts)
         vocab = self.runner.cfg.vocab_size
+        if greedy:
+            return
         if not qs:
             padded = np.zeros(self.k, np.int32)
             padded[: len(drafts)] = drafts
@@ -225,6 +235,9 @@ class SpecDecoder:
             "spec_acceptance_rate": self.num_accepted / max(self.num_drafts, 1),
             "spec_tokens_per_step": (self.num_accepted + self.num_steps) / max(self.num_steps, 1),
         }
+
+
+_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1))
 
 
 def _param_arrays(params: list[SamplingParams]) -> tuple[jax.Array, ...]:

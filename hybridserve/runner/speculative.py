@@ -23,6 +23,24 @@ from hybridserve.runner.sampler import filtered_logits
 
 
 @jax.jit
+def verify_greedy(
+    drafts: jax.Array, num_drafts: jax.Array, target_logits: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`verify` when every row is greedy (no distributions needed, no sorting): the drafts
+    that equal the target's argmax, then the argmax at the first mismatch or after the last."""
+    k = drafts.shape[1]
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
+    ok = (drafts == best[:, :k]) & (jnp.arange(k)[None, :] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    pos = jnp.arange(k + 1)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    extra = jnp.take_along_axis(best, accepted[:, None], axis=1)
+    tokens = jnp.where(pos < accepted[:, None], padded, -1)
+    tokens = jnp.where(pos == accepted[:, None], extra, tokens)
+    return tokens.astype(jnp.int32), accepted + 1
+
+
+@jax.jit
 def verify(
     drafts: jax.Array,
     draft_probs: jax.Array,

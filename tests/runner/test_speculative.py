@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from hybridserve.runner.speculative import verify
+from hybridserve.runner.speculative import verify, verify_greedy
 
 V, K = 5, 2
 
@@ -105,3 +105,24 @@ def test_perfect_drafts_are_all_accepted():
     )  # fmt: skip
     assert (np.asarray(emitted) == K + 1).all()
     np.testing.assert_array_equal(np.asarray(tokens)[:, :K], np.stack([d0, d1], 1))
+
+
+def test_greedy_only_verification_equals_the_general_one():
+    # verify_greedy (no sorting, no distributions) against verify with temperature 0, on
+    # random logits with drafts that match the argmax for a random number of leading places.
+    rng = np.random.default_rng(9)
+    bsz, k, vocab = 16, 4, 50
+    logits = jnp.asarray(rng.normal(size=(bsz, k + 1, vocab)), jnp.float32)
+    best = np.asarray(jnp.argmax(logits, -1))
+    drafts = rng.integers(0, vocab, (bsz, k))
+    for b in range(bsz):
+        m = rng.integers(0, k + 1)
+        drafts[b, :m] = best[b, :m]
+    drafts = jnp.asarray(drafts, jnp.int32)
+    num = jnp.asarray(rng.integers(0, k + 1, bsz), jnp.int32)
+    keys = jax.random.split(jax.random.key(1), bsz)
+    want = verify(drafts, jnp.zeros((bsz, k, vocab)), num, logits, *_params(bsz, 0.0), keys)
+    got = verify_greedy(drafts, num, logits)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert len(set(np.asarray(got[1]).tolist())) > 2  # several acceptance lengths occurred
