@@ -226,7 +226,7 @@ def layer_specs(
         sconv = SconvSpec(
             a.num_kv_heads, a.head_dim, conv_dtype, sliding_window=cfg.sconv.width - 1
         )
-        specs += [sconv] * sum(len(e) for site in sconv_entries(cfg) for e in site.values())
+        specs += [sconv] * _num_sconv_entries(cfg)
     if cfg.mtp is not None:
         specs += [attention_spec(cfg.attention, tp, kv_dtype)] * cfg.mtp.num_heads
     return specs
@@ -236,11 +236,15 @@ def mtp_entries(cfg: ModelConfig) -> tuple[int, ...]:
     """The cache entries of the MTP heads' attention (one each), after the sconv entries."""
     if cfg.mtp is None:
         return ()
-    first = cfg.num_layers + sum(len(e) for site in sconv_entries(cfg) for e in site.values())
+    first = cfg.num_layers + _num_sconv_entries(cfg)
     return tuple(range(first, first + cfg.mtp.num_heads))
 
 
 SCONV_SITES = ("kv", "out", "ffn")
+
+
+def _num_sconv_entries(cfg: ModelConfig) -> int:
+    return sum(len(e) for site in sconv_entries(cfg) for e in site.values())
 
 
 def sconv_entries(cfg: ModelConfig) -> list[dict[str, tuple[int, ...]]]:

@@ -161,23 +161,21 @@ class SpecDecoder:
         qs: dict[int, list[jax.Array]] = {i: [] for i in range(rows)}
         hidden = p.hidden
         live = [i for i, c in enumerate(p.chunks) if want.get(c.req_id)]
-        if not live:  # the heads still run: their caches cover these positions
-            for head in range(self.k):
-                hidden, _ = self.runner.mtp(head, hidden, self._look_ahead(head, starts, seqs,
-                                            drafts, batch), valid)  # fmt: skip
-            return
         rows_params = [SamplingParams(temperature=0.0)] * batch.tokens.shape[0]
         row_keys = [None] * batch.tokens.shape[0]
         for i in live:
             rows_params[i] = params[p.chunks[i].req_id]
             row_keys[i] = keys[p.chunks[i].req_id]
-        row_keys = [k if k is not None else row_keys[live[0]] for k in row_keys]
-        arrays = _param_arrays(rows_params)
         greedy = all(x.temperature <= 0 for x in rows_params)
+        if not greedy:
+            row_keys = [k if k is not None else row_keys[live[0]] for k in row_keys]
+            arrays = _param_arrays(rows_params)
         for head in range(self.k):
             tokens = self._look_ahead(head, starts, seqs, drafts, batch)
             hidden, logits = self.runner.mtp(head, hidden, tokens, valid)
-            if greedy:  # one-hot distributions are made on demand (`_set`)
+            if not live:  # the heads still run: their caches cover these positions
+                continue
+            if greedy:  # greedy rows keep no distribution (their check ignores it)
                 picked = np.asarray(_argmax(logits))
             else:
                 head_keys = jnp.stack([jax.random.fold_in(k, 7919 + head) for k in row_keys])
