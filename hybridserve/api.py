@@ -45,13 +45,15 @@ class LLM:
       max_prefill_chunk: prompt tokens per request and step (chunked prefill).
       enable_prefix_caching: reuse computed prefixes (KV pages and Mamba state snapshots).
       cache: the paged cache's settings (`CacheConfig`: dtypes, conv layout, pool size).
-      seed: base seed of requests whose SamplingParams carry none.
+      seed: base seed of requests whose SamplingParams carry none (and of dummy weights).
       progress: show a progress bar while loading weights.
       speculative_config: speculative decoding (`SpeculativeConfig` or its fields as a dict,
         e.g. `{"method": "mtp", "num_speculative_tokens": 3}`): the MTP heads draft, one pass
         verifies (exact for every sampling setting).
       kv_transfer_config: makes this a prefill (kv_producer) or decode (kv_consumer) engine of
         a disaggregated pair (`KVTransferConfig`); prompts then carry "kv_transfer_params".
+      load_format: "auto" reads the checkpoint; "dummy" reads only the config and draws random
+        weights from `seed` (benchmarks of sizes no checkpoint here has; `weights/dummy.py`).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class LLM:
         progress: bool = True,
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
+        load_format: str = "auto",
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(
@@ -95,6 +98,7 @@ class LLM:
                     if isinstance(speculative_config, dict)
                     else speculative_config
                 ),
+                load_format=load_format,
             ),
             progress=progress,
         )

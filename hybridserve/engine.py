@@ -56,6 +56,7 @@ class EngineConfig:
     seed: int = 0
     kv_transfer: KVTransferConfig | None = None
     speculative: SpeculativeConfig | None = None
+    load_format: str = "auto"
 
 
 @dataclasses.dataclass
@@ -88,6 +89,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             progress=progress,
             shareable_regions=config.kv_transfer is not None,  # GPU: UCX cuda_ipc needs it
+            load_format=config.load_format,
+            seed=config.seed,
         )
         self.model_config = self.runner.cfg
         self.max_model_len = self.runner.max_model_len

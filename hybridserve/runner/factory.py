@@ -54,11 +54,14 @@ def make_runner(
     max_num_seqs: int = 8,
     progress: bool = False,
     shareable_regions: bool = False,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> ModelRunner:
-    """Load the model and allocate its cache (`shareable_regions`: see `runner.regions`)."""
+    """Load the model and allocate its cache (`shareable_regions`: see `runner.regions`;
+    `load_format="dummy"`: random weights drawn from `seed`, see `weights/dummy.py`)."""
     cache = cache or CacheConfig()
     mesh = make_mesh(tp)
-    model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress=progress)
+    model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress, load_format, seed)
     dtype_name = jnp.dtype(dtype or cfg.dtype).name
     plan = make_plan(cfg, cache, tp, dtype_name)
     max_len = min(max_model_len, cfg.max_position_embeddings)

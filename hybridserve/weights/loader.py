@@ -27,12 +27,14 @@ from backends.protocol import Ops
 from hybridserve.config import ModelConfig
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.parallel import state_shardings
+from hybridserve.weights.dummy import dummy_array
 from hybridserve.weights.hf_names import IGNORED_PREFIXES, hf_sources
 from hybridserve.weights.safetensors_io import SafetensorsReader, WeightError
 
 log = logging.getLogger(__name__)
 CONVERTED_CONFIG = "hybridserve_config.json"
 FORMAT_VERSION = 1
+LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -129,12 +131,22 @@ def hf_arrays(
 
 
 def load_model(
-    path: str | Path, ops: Ops, mesh: Mesh, dtype: jnp.dtype | None = None, progress: bool = True
+    path: str | Path,
+    ops: Ops,
+    mesh: Mesh,
+    dtype: jnp.dtype | None = None,
+    progress: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> tuple[HybridModel, ModelConfig]:
     """Load an HF or converted directory into a sharded model.
 
     `dtype=None` keeps the checkpoint's dtype (float32 when it does not say).
+    `load_format="dummy"` reads the config alone and draws random weights from `seed`
+    (`weights/dummy.py`), for benchmarks of sizes that have no checkpoint here.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: expected one of {LOAD_FORMATS}")
     path = Path(path)
     cfg = read_config(path)
     dtype = jnp.dtype(dtype or cfg.dtype)
@@ -142,7 +154,14 @@ def load_model(
     graphdef, state = nnx.split(model)
     abstract = nnx.to_pure_dict(state)
     shardings = state_shardings(state, mesh)
-    if is_converted(path):
+    if load_format == "dummy":
+        flat = _flat_paths(state)
+        values = jax.tree.map(lambda x: x, abstract)
+        for name in tqdm(sorted(flat), desc="drawing weights", unit="tensor", disable=not progress):
+            a = _get(abstract, flat[name])
+            array = dummy_array(name, a.shape, a.dtype, _get(shardings, flat[name]), seed)
+            _set(values, flat[name], array)
+    elif is_converted(path):
         values = _restore_orbax(path / "params", abstract, shardings)
     else:
         values = jax.tree.map(lambda x: x, abstract)

@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""The decode step against its roofline floor: bytes moved per step, copy bandwidth, time.
+
+One run, one device:
+  1. Copy bandwidth: a jitted elementwise pass over --copy-mib MiB (read + write), best of 20;
+     BW = 2 * bytes / time. Every floor below divides by this BW.
+  2. The model (a --shape from scripts/random_models.py with dummy bf16 weights drawn on the
+     device, or --model DIR) in an engine with max_num_seqs = the largest --batch.
+  3. For each batch B: B requests of --context random prompt tokens are prefilled, then
+       forward: the jitted decode program (model + lm_head for B rows, cache in place), called
+                --steps times back to back (host work overlaps the device), per call;
+       engine:  `LLMEngine.step()` (schedule, program, sampling, token to host), per call;
+       matmul:  every weight the step reads, multiplied by a [B, in] activation in one jitted
+                program: the GEMV/GEMM time XLA alone gets from these weights;
+     and the bytes the step must move (`hybridserve.decode_cost`): weights (embedding rows,
+     MoE expert coverage), KV at the context, Mamba state read + write, each reported apart.
+  Ratios are time / floor; the acceptance bound at batch 1 is forward <= 1.15 x floor.
+
+    # the H200 numbers in BENCHMARKS.md (about 4 minutes, most of it the first compile)
+    python scripts/bench_decode.py --shape nano-9b-v2 --batch 1 8 64 --context 1024 \\
+        --json decode.json
+    # a CPU check of the script (seconds)
+    python scripts/bench_decode.py --shape tiny --batch 1 4 --context 32 --steps 4 --copy-mib 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.decode_cost import NOT_IN_DECODE, decode_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import random_models  # noqa: E402
+
+
+def copy_bandwidth(mib: int, repeats: int = 20) -> float:
+    """Bytes/s of a device copy (read + write counted) of `mib` MiB, best of `repeats`."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    step = jax.jit(lambda a: a + 1.0)
+    step(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.nbytes / best
+
+
+def time_calls(fn, steps: int, repeats: int = 3) -> float:
+    """Seconds per call of `fn()` (returns arrays), `steps` calls back to back, best of
+    `repeats`."""
+    jax.block_until_ready(fn())
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = fn()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t) / steps)
+    return best
+
+
+def matmul_program(params: nnx.State, batch: int):
+    """A jitted program that multiplies a [batch, n] activation by every dense weight a decode
+    step reads (each leaf of 2+ axes viewed as [first axis, rest]: the same bytes in one GEMV or
+    GEMM; routed experts, the embedding table and encoders left out)."""
+    leaves = []
+    for path, var in nnx.to_flat_state(params):
+        value, names = var[...], [str(p) for p in path]
+        routed = names[-1] in ("up", "gate", "down") and value.ndim == 3
+        if names[0] in NOT_IN_DECODE or names[0] == "embed" or value.ndim < 2 or routed:
+            continue
+        leaves.append(value)
+
+    @jax.jit
+    def run(ws):
+        total = jnp.zeros((), jnp.float32)
+        for w in ws:
+            m = w.reshape(w.shape[0], -1)
+            x = jnp.ones((batch, m.shape[0]), w.dtype)
+            total += jnp.sum(jnp.dot(x, m, preferred_element_type=jnp.float32))
+        return total
+
+    return lambda: run(leaves)
+
+
+def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
+    engine, runner = llm.engine, llm.engine.runner
+    rng = np.random.default_rng(b)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=engine.max_model_len - args.context, ignore_eos=True
+    )
+    vocab = engine.model_config.vocab_size
+    ids = [
+        engine.add_request(rng.integers(3, vocab, args.context).tolist(), params) for _ in range(b)
+    ]
+    generated = set()
+    while len(generated) < b:  # every prompt prefilled: from here on, decode steps only
+        generated.update(o.request_id for o in engine.step())
+    captured = []
+    run = runner.run
+    runner.run = lambda batch, *a, **k: (captured.append(batch), run(batch, *a, **k))[1]
+    engine_s = time_calls(lambda: (engine.step(), jnp.zeros(()))[1], args.steps)
+    runner.run = run
+    batch = captured[-1]
+    forward_s = time_calls(lambda: runner.run(batch)[0], args.steps)
+    matmul_s = time_calls(matmul_program(runner.params, b), args.steps)
+    for r in ids:
+        engine.abort_request(r)
+    cost = decode_bytes(runner.cfg, runner.plan, runner.params, b, args.context)
+    floor = cost.floor_s(args.bandwidth)
+    return {
+        "batch": b,
+        "context": args.context,
+        "weights_bytes": cost.weights,
+        "kv_bytes": cost.kv,
+        "state_bytes": cost.state,
+        "floor_ms": 1e3 * floor,
+        "state_ms_at_bw": 1e3 * cost.state / args.bandwidth,
+        "forward_ms": 1e3 * forward_s,
+        "engine_step_ms": 1e3 * engine_s,
+        "matmul_only_ms": 1e3 * matmul_s,
+        "forward_over_floor": forward_s / floor,
+        "engine_over_floor": engine_s / floor,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    doc = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(
+        description=doc[0], epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--shape", choices=sorted(random_models.SHAPES), default="nano-9b-v2")
+    src.add_argument("--model", type=Path, help="a model directory (real weights)")
+    add = parser.add_argument
+    add("--batch", type=int, nargs="+", default=[1, 8, 64], help="default 1 8 64")
+    add("--context", type=int, default=1024, help="cached tokens per sequence (default 1024)")
+    add("--steps", type=int, default=30, help="timed calls per measurement (default 30)")
+    add("--copy-mib", type=int, default=4096, help="copy-bandwidth buffer (default 4096 MiB)")
+    add("--backend", default="xla", help="op backend (default xla)")
+    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
+        parser.error("--batch, --context and --steps must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    print(f"device: {device.platform} {device.device_kind}", flush=True)
+    args.bandwidth = copy_bandwidth(args.copy_mib)
+    print(f"copy bandwidth (read + write): {args.bandwidth / 1e12:.3f} TB/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or random_models.write_config(args.shape, tmp)
+        llm = LLM(
+            str(model),
+            dtype=args.dtype,
+            backend=args.backend,
+            max_model_len=args.context + 4 * args.steps + 64,
+            max_num_seqs=max(args.batch),
+            max_num_batched_tokens=max(2048, max(args.batch)),
+            max_prefill_chunk=min(2048, args.context),
+            enable_prefix_caching=False,
+            load_format="auto" if args.model else "dummy",
+            progress=False,
+        )
+        rows = []
+        for b in args.batch:
+            rows.append(bench_batch(llm, b, args))
+            print(json.dumps(rows[-1]), flush=True)
+    print(
+        f"{'B':>4} {'ctx':>6} {'weights GB':>10} {'KV GB':>7} {'state GB':>8} {'floor ms':>8} "
+        f"{'fwd ms':>7} {'fwd/floor':>9} {'engine ms':>9} {'eng/floor':>9} {'matmul ms':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['batch']:>4} {r['context']:>6} {r['weights_bytes'] / 1e9:>10.3f} "
+            f"{r['kv_bytes'] / 1e9:>7.3f} {r['state_bytes'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} "
+            f"{r['forward_ms']:>7.3f} {r['forward_over_floor']:>9.2f} "
+            f"{r['engine_step_ms']:>9.3f} {r['engine_over_floor']:>9.2f} "
+            f"{r['matmul_only_ms']:>9.3f}"
+        )
+    result = {
+        "device": f"{device.platform}: {device.device_kind}",
+        "jax_version": jax.__version__,
+        "copy_bandwidth_bytes_per_s": args.bandwidth,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The decode-step byte accounting against hand counts from the published dimensions.
+
+The expected numbers are written from the Nemotron-Nano-9B-v2 and Nemotron-3-Nano-30B-A3B
+dimensions alone (formulas below), not from the model code; the model side is the abstract
+(shape-only) model, so no weights are allocated.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from backends.protocol import load_ops
+from hybridserve.config import CacheConfig
+from hybridserve.decode_cost import cache_bytes, decode_bytes, expert_coverage, weight_bytes
+from hybridserve.runner.factory import make_plan
+from hybridserve.weights.loader import abstract_model, read_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import random_models  # noqa: E402
+
+
+def _abstract(shape: str, tmp_path: Path):
+    cfg = read_config(random_models.write_config(shape, tmp_path / shape))
+    _, state = nnx.split(abstract_model(cfg, load_ops("xla"), jnp.bfloat16))
+    return cfg, state
+
+
+def _mamba_params(d: int, h: int, p: int, g: int, n: int, k: int) -> tuple[int, int]:
+    """(bf16 parameters, float32 parameters) of one Mamba2 block, its pre-norm included."""
+    conv = h * p + 2 * g * n
+    bf16 = d * (2 * h * p + 2 * g * n + h) + conv * k + conv + h * p + h * p * d + d
+    return bf16, 3 * h  # A_log, D, dt_bias in float32
+
+
+def test_nano_9b_weights_match_a_hand_count(tmp_path: Path) -> None:
+    cfg, state = _abstract("nano-9b-v2", tmp_path)
+    d, v, i = 4480, 131072, 15680
+    mamba_bf16, mamba_f32 = _mamba_params(d, 128, 80, 8, 128, 4)
+    attention = d * (40 + 2 * 8) * 128 + 40 * 128 * d + d
+    mlp = 2 * d * i + d
+    bf16 = 27 * mamba_bf16 + 4 * attention + 25 * mlp + d * v + d  # lm_head, final norm
+    f32 = 27 * mamba_f32
+    assert (bf16 + f32 + v * d) / 1e9 == pytest.approx(8.888, abs=1e-3)  # the published size
+    for batch in (1, 64):  # the embedding table contributes its gathered rows only
+        expected = 2 * (bf16 + batch * d) + 4 * f32
+        assert weight_bytes(cfg, state, batch) == expected
+
+
+def test_moe_weights_follow_expert_coverage(tmp_path: Path) -> None:
+    cfg, state = _abstract("nano-30b-a3b", tmp_path)
+    d, e, f = 2688, 128, 1856
+    routed = 23 * 2 * e * d * f * 2  # up and down of every routed expert, bf16
+    dense_1 = weight_bytes(cfg, state, 1) - routed * expert_coverage(e, 6, 1)
+    for batch in (8, 64, 1024):
+        got = weight_bytes(cfg, state, batch)
+        want = dense_1 + (batch - 1) * d * 2 + routed * expert_coverage(e, 6, batch)
+        assert got == pytest.approx(want, abs=2)
+    assert expert_coverage(e, 6, 1) == 6 / 128
+    # Monte Carlo: each token picks 6 distinct experts of 128 at random
+    rng = np.random.default_rng(0)
+    picks = [
+        len({x for _ in range(32) for x in rng.choice(e, 6, replace=False)}) for _ in range(400)
+    ]
+    assert np.mean(picks) / e == pytest.approx(expert_coverage(e, 6, 32), rel=0.01)
+
+
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_cache_terms_match_a_hand_count(tmp_path: Path, ssm_dtype: str) -> None:
+    cfg, state = _abstract("nano-9b-v2", tmp_path)
+    plan = make_plan(cfg, CacheConfig(ssm_dtype=ssm_dtype), 1, "bfloat16")
+    batch, context = 64, 8192
+    s_ssm = 4 if ssm_dtype == "float32" else 2
+    ssm = 128 * 80 * 128 * s_ssm
+    conv = 3 * (128 * 80 + 2 * 8 * 128) * 2
+    kv = 4 * batch * context * 2 * 8 * 128 * 2
+    assert cache_bytes(plan, batch, context) == (kv, 27 * batch * 2 * (ssm + conv))
+    cost = decode_bytes(cfg, plan, state, batch, context)
+    assert cost.total == cost.weights + kv + 27 * batch * 2 * (ssm + conv)
+    assert cost.floor_s(4e12) == pytest.approx(cost.total / 4e12)
+    if ssm_dtype == "float32":  # performance_and_users.md 2.5: 8.6 GB KV, 18.1 GB SSM state
+        assert kv / 1e9 == pytest.approx(8.6, abs=0.05)
+        assert 27 * batch * 2 * ssm / 1e9 == pytest.approx(18.1, abs=0.05)
