@@ -10,7 +10,7 @@ One run, one device:
        forward: the jitted decode program (model + lm_head for B rows, cache in place), called
                 --steps times back to back (host work overlaps the device), per call;
        engine:  `LLMEngine.step()` (schedule, program, sampling, token to host), per call;
-       matmul:  every weight the step reads, multiplied by a [B, in] activation in one jitted
+       matmul:  every dense weight the step reads, multiplied by a [B, in] activation in one jitted
                 program: the GEMV/GEMM time XLA alone gets from these weights;
      and the bytes the step must move (`hybridserve.decode_cost`): weights (embedding rows,
      MoE expert coverage), KV at the context, Mamba state read + write, each reported apart.
@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.config import CacheConfig
 from hybridserve.decode_cost import NOT_IN_DECODE, decode_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -116,6 +117,9 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
     runner.run = run
     batch = captured[-1]
     forward_s = time_calls(lambda: runner.run(batch)[0], args.steps)
+    if args.trace and b == args.batch[0]:  # a profile of a few forward calls
+        with jax.profiler.trace(str(args.trace / f"b{b}"), create_perfetto_trace=True):
+            jax.block_until_ready([runner.run(batch)[0] for _ in range(5)])
     matmul_s = time_calls(matmul_program(runner.params, b), args.steps)
     for r in ids:
         engine.abort_request(r)
@@ -150,9 +154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--context", type=int, default=1024, help="cached tokens per sequence (default 1024)")
     add("--steps", type=int, default=30, help="timed calls per measurement (default 30)")
     add("--copy-mib", type=int, default=4096, help="copy-bandwidth buffer (default 4096 MiB)")
+    add("--cache-gib", type=float, default=48, help="cache pool GiB (default 48; capped by need)")
     add("--backend", default="xla", help="op backend (default xla)")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write the results here")
+    add("--trace", type=Path, help="profile 5 forward calls of the first batch into this dir")
     args = parser.parse_args(argv)
     if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
         parser.error("--batch, --context and --steps must be >= 1")
@@ -173,8 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
             backend=args.backend,
             max_model_len=args.context + 4 * args.steps + 64,
             max_num_seqs=max(args.batch),
-            max_num_batched_tokens=max(2048, max(args.batch)),
-            max_prefill_chunk=min(2048, args.context),
+            max_num_batched_tokens=max(args.batch) * (args.context + 1),  # one prefill step
+            max_prefill_chunk=args.context,
+            cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
             enable_prefix_caching=False,
             load_format="auto" if args.model else "dummy",
             progress=False,
