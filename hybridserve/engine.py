@@ -33,7 +33,7 @@ from hybridserve.core.scheduler import Scheduler
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
-from hybridserve.runner.sampler import logprobs, sample
+from hybridserve.runner.sampler import SAMPLING_DTYPES, logprobs, sample, sample_mode
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
@@ -57,6 +57,9 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
+
+
+_fold_keys = jax.jit(jax.vmap(jax.random.fold_in))
 
 
 @dataclasses.dataclass
@@ -366,15 +369,23 @@ class LLMEngine:
                 stops = sorted(tracked[i].request.eos_token_ids | tracked[i].request.stop_token_ids)
                 if stops:
                     logits = logits.at[i, jnp.asarray(stops)].set(-jnp.inf)
-        keys = [jax.random.fold_in(t.key, n) for t, n in zip(tracked, n_out, strict=True)]
-        keys = jnp.stack(keys + keys[:1] * pad)
+        columns = (
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        )
+        mode, keys = sample_mode(*columns), None
+        if mode != "greedy":  # row i draws with fold_in(its key, tokens it has so far)
+            keys = _fold_keys(
+                jnp.stack([t.key for t in tracked] + [tracked[0].key] * pad),
+                jnp.asarray(n_out + n_out[:1] * pad, jnp.int32),
+            )
         tokens = sample(
             logits,
-            jnp.array([p.temperature for p in params], jnp.float32),
-            jnp.array([p.top_k for p in params], jnp.int32),
-            jnp.array([p.top_p for p in params], jnp.float32),
-            jnp.array([p.min_p for p in params], jnp.float32),
+            *(jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)),
             keys,
+            mode=mode,
         )
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:

@@ -8,8 +8,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)  # temperature, k, p, min_p
 
-@jax.jit
+
+@functools.partial(jax.jit, static_argnames=("mode",))
 def sample(
     logits: jax.Array,
     temperature: jax.Array,
@@ -17,6 +19,7 @@ def sample(
     top_p: jax.Array,
     min_p: jax.Array,
     keys: jax.Array,
+    mode: str = "filtered",
 ) -> jax.Array:
     """Pick one token per row.
 
@@ -27,12 +30,29 @@ def sample(
     Args:
       logits: [B, V] float32. temperature: [B] (0 = greedy). top_k: [B] int (0 = off).
       top_p: [B] in (0, 1] (1 = off). min_p: [B] in [0, 1] (0 = off). keys: [B] PRNG keys.
+      mode: "filtered" (any settings), "plain" (no row filters: no sort of the vocabulary) or
+        "greedy" (every row at temperature 0: argmax alone); `sample_mode` picks it.
     Returns: [B] int32 token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = filtered_logits(logits, temperature, top_k, top_p, min_p)
+    if mode == "greedy":
+        return greedy
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    if mode == "filtered":
+        scaled = filtered_logits(logits, temperature, top_k, top_p, min_p)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature <= 0, greedy, drawn)
+
+
+def sample_mode(
+    temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float]
+) -> str:
+    """The cheapest `sample` mode that gives the same tokens for these rows' settings."""
+    if all(t <= 0 for t in temperature):
+        return "greedy"
+    if all(k <= 0 for k in top_k) and all(p >= 1 for p in top_p) and all(m <= 0 for m in min_p):
+        return "plain"
+    return "filtered"
 
 
 def filtered_logits(
