@@ -381,12 +381,10 @@ class LLMEngine:
                 jnp.stack([t.key for t in tracked] + [tracked[0].key] * pad),
                 jnp.asarray(n_out + n_out[:1] * pad, jnp.int32),
             )
-        tokens = sample(
-            logits,
-            *(jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)),
-            keys,
-            mode=mode,
-        )
+        settings = [None] * 4  # greedy: the argmax alone, nothing else sent to the device
+        if mode != "greedy":
+            settings = [jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)]
+        tokens = sample(logits, *settings, keys, mode=mode)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             num = max(max(wanted), 1)

@@ -155,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--steps", type=int, default=30, help="timed calls per measurement (default 30)")
     add("--copy-mib", type=int, default=4096, help="copy-bandwidth buffer (default 4096 MiB)")
     add("--cache-gib", type=float, default=48, help="cache pool GiB (default 48; capped by need)")
+    add("--prefill-tokens", type=int, default=8192, help="tokens per prefill step (8192)")
     add("--backend", default="xla", help="op backend (default xla)")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write the results here")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
             backend=args.backend,
             max_model_len=args.context + 4 * args.steps + 64,
             max_num_seqs=max(args.batch),
-            max_num_batched_tokens=max(args.batch) * (args.context + 1),  # one prefill step
+            max_num_batched_tokens=max(args.prefill_tokens, max(args.batch)),
             max_prefill_chunk=args.context,
             cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
             enable_prefix_caching=False,

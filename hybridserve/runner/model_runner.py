@@ -43,6 +43,24 @@ from hybridserve.runner.input_batch import (
 from hybridserve.runner.regions import allocate_regions
 
 
+def pack_ints(arrays: list[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
+    """Integer step inputs -> one flat int32 vector and their shapes, so that a step makes one
+    host-to-device copy (each copy costs a dispatch, and a new buffer address that the GPU
+    program's command buffer must be updated for)."""
+    flat = np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in arrays])
+    return flat, tuple(tuple(a.shape) for a in arrays)
+
+
+def unpack_ints(flat: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
+    """Inverse of `pack_ints` (inside the jitted step; the shapes are static)."""
+    out, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        out.append(flat[at : at + n].reshape(shape))
+        at += n
+    return out
+
+
 def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
     """Per-entry access facts (region, group, local shapes, dtypes) from the cache plan: one
     entry per layer, then the sconv entries (`kv_spec.sconv_entries`)."""
@@ -166,7 +184,7 @@ class ModelRunner:
         self._step = jax.jit(
             self._forward,
             donate_argnums=(1,),
-            static_argnames=("n_logits", "keep_hidden"),
+            static_argnames=("shapes", "n_logits", "keep_hidden"),
             out_shardings=(replicated, regions_out),
         )
         self._mtp = jax.jit(
@@ -189,14 +207,15 @@ class ModelRunner:
         self,
         params: nnx.State,
         regions: list,
-        tokens: jax.Array,
-        inputs: StepInput,
+        packed: jax.Array,
         embeds: jax.Array | None,
         embed_mask: jax.Array | None,
-        num_drafts: jax.Array,
+        shapes: tuple[tuple[int, ...], ...],
         n_logits: int | None,
         keep_hidden: bool,
     ) -> tuple[tuple[jax.Array, jax.Array | None], list]:
+        tokens, positions, lengths, num_drafts, *tables = unpack_ints(packed, shapes)
+        inputs = StepInput(positions, lengths, tuple(tables), self.layout)
         model = nnx.merge(self.graphdef, params)
         hidden, regions = model(tokens, inputs, regions, embeds, embed_mask)
         picked = hidden
@@ -257,13 +276,15 @@ class ModelRunner:
         drafts = np.zeros(batch.tokens.shape[0], np.int32)
         if batch.num_drafts is not None:
             drafts = batch.num_drafts
+        packed, shapes = pack_ints(
+            [batch.tokens, batch.positions, batch.lengths, drafts, *batch.tables]
+        )
         (logits, hidden), self.regions = self._step(
             self.params,
             self.regions,
-            jnp.asarray(batch.tokens),
-            self._inputs(batch),
+            jnp.asarray(packed),
             *mm,
-            jnp.asarray(drafts),
+            shapes=shapes,
             n_logits=n_logits,
             keep_hidden=keep_hidden,
         )
