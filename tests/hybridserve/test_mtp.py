@@ -116,7 +116,7 @@ def test_sampled_output_distribution_is_exact(ckpt):
 
     n = int(os.environ.get("MTP_CHI_SQUARE_N", 10_000))
     llm = _llm(ckpt, {"method": "oracle", "num_speculative_tokens": 2, "oracle": oracle},
-               max_num_seqs=256, max_num_batched_tokens=4096)  # fmt: skip
+               max_num_seqs=1024, max_num_batched_tokens=8192)  # fmt: skip
     params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True, seed=None)
     got = _run(llm, [prompt] * n, params)
     s = llm.engine.stats()

@@ -15,7 +15,12 @@ import pytest
 from server_harness import SMALL, ServerProcess
 
 PROMPTS = [f"def helper_{i}(items):\n    " for i in range(6)]
-ROLE = '{{"kv_connector": "NixlConnector", "kv_role": "{}"}}'
+# Leases and transfer timeouts long enough for a loaded 2-core CI machine, where each of the
+# four processes compiles its programs on first use (this test counts failed transfers).
+ROLE = (
+    '{{"kv_connector": "NixlConnector", "kv_role": "{}", "lease_s": 600, '
+    '"transfer_timeout_s": 600}}'
+)
 
 
 class ProxyProcess(ServerProcess):
