@@ -1,12 +1,13 @@
 """An engine in its own process, driven over a pipe with msgpack messages (never pickle).
 
 Lifecycle:
-  1. `spawn_worker(...)` starts a process (spawn) that sets its JAX device count, builds an
-     `LLMEngine` (with its kv_transfer role) and replies {"ready": ...} or {"error": ...}.
-  2. The parent sends {"op": "add", "req_id", "prompt_token_ids", "params", "kv"},
+  1. `spawn_worker(...)` starts a process (spawn) that sets its JAX devices, builds an
+     `LLMEngine` (with its kv_transfer role, or none) and replies {"ready": ...} or {"error": ...}.
+  2. The parent sends {"op": "add", "req_id", "prompt_token_ids", "params", "kv", "timing"?},
      {"op": "abort", "req_id"}, {"op": "stats"} or {"op": "stop"}.
   3. The worker loop steps the engine whenever it has work (P/D bookkeeping included) and sends
-     {"output": ...} for every finished request, {"stats": ...} when asked.
+     {"output": ...} for every finished request (with "token_times", the wall-clock time of each
+     output token, when added with "timing"), {"stats": ...} when asked.
   4. On "stop" (or when the parent's end of the pipe closes) the worker closes its connector
      and exits.
 """
@@ -49,20 +50,31 @@ def output_to_dict(out: Any) -> dict[str, Any]:
     }
 
 
-def _serve(conn: Any, engine_kwargs: dict[str, Any], kv: dict[str, Any], devices: int) -> None:
+def _serve(
+    conn: Any,
+    engine_kwargs: dict[str, Any],
+    kv: dict[str, Any] | None,
+    devices: int,
+    env: dict[str, str] | None,
+) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ.update(env or {})  # e.g. JAX_PLATFORMS=cuda, CUDA_VISIBLE_DEVICES=1
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from hybridserve.config import CacheConfig
     from hybridserve.engine import EngineConfig, LLMEngine
     from hybridserve.sampling_params import SamplingParams
 
     try:
-        engine = LLMEngine(
-            EngineConfig(**engine_kwargs, kv_transfer=KVTransferConfig(**kv)), progress=False
-        )
+        if isinstance(engine_kwargs.get("cache"), dict):
+            engine_kwargs = {**engine_kwargs, "cache": CacheConfig(**engine_kwargs["cache"])}
+        transfer = KVTransferConfig(**kv) if kv else None
+        engine = LLMEngine(EngineConfig(**engine_kwargs, kv_transfer=transfer), progress=False)
     except Exception as err:  # report any start-up failure to the parent
         conn.send_bytes(pack({"error": f"{type(err).__name__}: {err}"}))
         return
-    conn.send_bytes(pack({"ready": engine.connector.engine_id}))
+    connector = engine.connector
+    conn.send_bytes(pack({"ready": connector.engine_id if connector else "colocated"}))
+    times: dict[str, list[float]] = {}  # token times of requests added with "timing"
     try:
         while True:
             busy = engine.has_unfinished() or bool(engine.scheduler.held)
@@ -72,6 +84,8 @@ def _serve(conn: Any, engine_kwargs: dict[str, Any], kv: dict[str, Any], devices
                 if op == "stop":
                     break
                 if op == "add":
+                    if message.get("timing"):
+                        times[message["req_id"]] = []
                     try:
                         engine.add_request(
                             message["prompt_token_ids"],
@@ -92,16 +106,24 @@ def _serve(conn: Any, engine_kwargs: dict[str, Any], kv: dict[str, Any], devices
                     conn.send_bytes(pack({"stats": stats}))
                 continue
             if engine.has_unfinished():
-                for out in engine.step():
+                outs = engine.step()
+                now = time.time()
+                for out in outs:
+                    if out.request_id in times:
+                        times[out.request_id] += [now] * len(out.new_token_ids)
                     if out.finished:
-                        conn.send_bytes(pack({"output": output_to_dict(out)}))
+                        result = output_to_dict(out)
+                        if out.request_id in times:
+                            result["token_times"] = times.pop(out.request_id)
+                        conn.send_bytes(pack({"output": result}))
             else:
                 engine.poll_transfers()
                 time.sleep(0.001)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent went away
     finally:
-        engine.connector.close()
+        if connector is not None:
+            connector.close()
 
 
 @dataclasses.dataclass
@@ -131,12 +153,18 @@ class WorkerHandle:
 
 
 def spawn_worker(
-    engine_kwargs: dict[str, Any], kv: dict[str, Any], devices: int, start_timeout: float = 600.0
+    engine_kwargs: dict[str, Any],
+    kv: dict[str, Any] | None,
+    devices: int,
+    start_timeout: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> WorkerHandle:
-    """Start an engine process; returns once it is ready (raises with its error otherwise)."""
+    """Start an engine process; returns once it is ready (raises with its error otherwise).
+    `kv=None`: a plain (colocated) engine; `env`: variables set in the worker before JAX loads
+    (on GPUs: `JAX_PLATFORMS=cuda` and the worker's `CUDA_VISIBLE_DEVICES`)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(child, engine_kwargs, kv, devices), daemon=True)
+    process = ctx.Process(target=_serve, args=(child, engine_kwargs, kv, devices, env), daemon=True)
     process.start()
     child.close()
     if not parent.poll(start_timeout):

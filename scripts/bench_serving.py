@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""Serving load generator: colocated vs disaggregated (prefill + decode) engines, a concurrency
+sweep, output tokens/s per GPU against tokens/s per user (the Pareto plot).
+
+Deployments (each engine a worker process, `hybridserve/disagg/worker.py`):
+  colocated      --gpus / --colocated-tp instances of TP --colocated-tp; a request goes to the
+                 instance with the fewest requests in flight.
+  disaggregated  one prefill engine (TP --prefill-tp) and one decode engine (TP --decode-tp) on
+                 their own GPUs; the prefill engine computes the prompt and hands its KV pages and
+                 Mamba states to the decode engine over NIXL (--transfer-mode pull | push).
+On a GPU machine each worker sees its own GPUs (CUDA_VISIBLE_DEVICES); without GPUs the workers
+run on CPU devices (a check of the machinery, not a measurement).
+
+Workload: random prompts of --input-len tokens, --output-len tokens each (greedy, EOS ignored),
+closed loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in
+all (default 4 * C, at least 16), after a warmup pass of 2 * C of them at the same C (it
+compiles the programs the timed pass needs). Per (deployment, C):
+  output tok/s/GPU = output tokens / (last finish - first send) / GPUs used
+  tok/s/user       = median over requests of (tokens - 1) / (last token - first token)
+  TTFT             = first token - send (percentiles), ITL = gaps between a request's tokens
+                     (percentiles over all gaps); token times come from the engine processes.
+
+    # the two-GPU comparison of BENCHMARKS.md (one H200 each for P and D; 2 colocated instances)
+    python scripts/bench_serving.py --shape nano-9b-v2 --gpus 2 --input-len 1024 \\
+        --output-len 256 --concurrency 8 16 32 64 128 256 --json serving.json --plot serving.png
+    # eight GPUs: colocated TP 8 against 1 prefill TP 4 + 1 decode TP 4
+    python scripts/bench_serving.py --shape nano-30b-a3b --gpus 8 --colocated-tp 8 \\
+        --prefill-tp 4 --decode-tp 4 --concurrency 8 16 32 64 128 256
+    # a CPU check of the machinery (about two minutes)
+    python scripts/bench_serving.py --shape tiny --gpus 2 --input-len 32 --output-len 8 \\
+        --concurrency 2 4 --num-prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridserve.disagg.worker import WorkerHandle, spawn_worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import random_models  # noqa: E402
+
+MODES = ("colocated", "disaggregated")
+
+
+def _gpu_env(first: int, count: int, on_gpu: bool) -> dict[str, str] | None:
+    if not on_gpu:
+        return None
+    return {
+        "JAX_PLATFORMS": "cuda",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(first, first + count)),
+    }
+
+
+def engine_kwargs(model: str, args: argparse.Namespace, tp: int) -> dict:
+    return {
+        "model": model,
+        "dtype": args.dtype,
+        "tensor_parallel_size": tp,
+        "max_model_len": args.input_len + args.output_len + 16,
+        "max_num_seqs": max(args.concurrency),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_prefill_chunk": min(args.input_len, args.max_num_batched_tokens),
+        "enable_prefix_caching": False,
+        "load_format": "auto" if args.model else "dummy",
+        "cache": {"memory_bytes": int(args.cache_gib * 2**30)},
+    }
+
+
+class Deployment:
+    """The worker processes of one mode and how a request flows through them."""
+
+    def __init__(self, mode: str, model: str, args: argparse.Namespace, on_gpu: bool) -> None:
+        self.mode = mode
+        self.workers: list[WorkerHandle] = []
+        self.runs = 0  # request ids are unique over runs (a prefill engine may still hold pages)
+        try:
+            if mode == "colocated":
+                tp = args.colocated_tp
+                for i in range(args.gpus // tp):
+                    env = _gpu_env(i * tp, tp, on_gpu)
+                    self.workers.append(
+                        spawn_worker(engine_kwargs(model, args, tp), None, tp, env=env)
+                    )
+                self.gpus = tp * len(self.workers)
+            else:
+                p, d = args.prefill_tp, args.decode_tp
+                kv = {"kv_role": "kv_producer"}
+                self.workers.append(
+                    spawn_worker(engine_kwargs(model, args, p), kv, p, env=_gpu_env(0, p, on_gpu))
+                )
+                kv = {"kv_role": "kv_consumer", "transfer_mode": args.transfer_mode}
+                self.workers.append(
+                    spawn_worker(engine_kwargs(model, args, d), kv, d, env=_gpu_env(p, d, on_gpu))
+                )
+                self.gpus = p + d
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+    def run(self, prompts: list[list[int]], concurrency: int, output_len: int) -> list[dict]:
+        """Closed loop over `prompts` with `concurrency` in flight; one record per request:
+        {"sent", "token_times", "tokens"}."""
+        params = {"temperature": 0.0, "max_tokens": output_len, "ignore_eos": True}
+        pending = list(enumerate(prompts))[::-1]
+        self.runs += 1
+        prefix = f"run{self.runs}-"
+        inflight: dict[str, tuple[int, float]] = {}
+        load = [0] * len(self.workers)
+        done: list[dict] = []
+
+        def send() -> None:
+            i, ids = pending.pop()
+            req_id = f"{prefix}{i}"
+            if self.mode == "colocated":
+                w = int(np.argmin(load))
+                load[w] += 1
+                message = {"op": "add", "req_id": req_id, "timing": True}
+            else:
+                w, message = 0, {"op": "add", "req_id": req_id, "kv": {"do_remote_decode": True}}
+            inflight[req_id] = (w, time.time())
+            self.workers[w].send(message | {"prompt_token_ids": ids, "params": params})
+
+        while pending and len(inflight) < concurrency:
+            send()
+        while inflight:
+            for w, worker in enumerate(self.workers):
+                if not worker.process.is_alive() and not worker.conn.poll():
+                    raise RuntimeError(f"{self.mode} worker {w} died")
+                message = worker.recv(0.0005)
+                if message is None or "output" not in message:
+                    continue
+                out = message["output"]
+                if "error" in out:
+                    raise RuntimeError(f"request {out['req_id']} failed: {out['error']}")
+                if self.mode == "disaggregated" and w == 0:  # prefilled: on to the decoder
+                    ids = prompts[int(out["req_id"].rsplit("-", 1)[1])]
+                    self.workers[1].send(
+                        {"op": "add", "req_id": out["req_id"], "prompt_token_ids": ids}
+                        | {"params": params, "kv": out["kv"], "timing": True}
+                    )
+                    continue
+                _, sent = inflight.pop(out["req_id"])
+                if self.mode == "colocated":
+                    load[w] -= 1
+                done.append({"sent": sent, "token_times": out["token_times"]})
+                if pending:
+                    send()
+        return done
+
+
+def summarise(records: list[dict], gpus: int) -> dict:
+    """The per-level numbers of the module docstring."""
+    start = min(r["sent"] for r in records)
+    end = max(r["token_times"][-1] for r in records)
+    tokens = sum(len(r["token_times"]) for r in records)
+    ttft = [r["token_times"][0] - r["sent"] for r in records]
+    gaps = np.concatenate([np.diff(r["token_times"]) for r in records])
+    per_user = [
+        (len(t) - 1) / (t[-1] - t[0])
+        for t in (r["token_times"] for r in records)
+        if len(t) > 1 and t[-1] > t[0]
+    ]
+
+    def pct(xs, q: float) -> float:
+        return 1e3 * float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "seconds": end - start,
+        "output_tokens_per_s_per_gpu": tokens / (end - start) / gpus,
+        "tokens_per_s_per_user": float(np.median(per_user)) if per_user else float("nan"),
+        **{f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 90, 99)},
+        **{f"itl_p{q}_ms": pct(gaps, q) for q in (50, 90, 99)},
+    }
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """tokens/s/GPU against tokens/s/user, one line per mode, points labelled with C."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for mode in MODES:
+        pts = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+        if not pts:
+            continue
+        xs = [r["tokens_per_s_per_user"] for r in pts]
+        ys = [r["output_tokens_per_s_per_gpu"] for r in pts]
+        ax.plot(xs, ys, "o-", label=mode)
+        for r, x, y in zip(pts, xs, ys, strict=True):
+            ax.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("output tokens/s per user")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    doc = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(
+        description=doc[0], epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--shape", choices=sorted(random_models.SHAPES), default="nano-9b-v2")
+    src.add_argument("--model", type=Path, help="a model directory (real weights)")
+    add = parser.add_argument
+    add("--modes", nargs="+", choices=MODES, default=list(MODES))
+    add("--gpus", type=int, default=2, help="GPUs per deployment (default 2)")
+    add("--colocated-tp", type=int, default=1, help="TP of each colocated instance (default 1)")
+    add("--prefill-tp", type=int, default=1, help="TP of the prefill engine (default 1)")
+    add("--decode-tp", type=int, default=1, help="TP of the decode engine (default 1)")
+    add("--transfer-mode", choices=["pull", "push"], default="push")
+    add("--input-len", type=int, default=1024)
+    add("--output-len", type=int, default=256)
+    add("--concurrency", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    add("--num-prompts", type=int, help="requests per level (default 4 x C, at least 16)")
+    add("--max-num-batched-tokens", type=int, default=8192)
+    add("--cache-gib", type=float, default=40, help="cache pool GiB per rank (default 40)")
+    add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add("--json", type=Path, help="write every level's numbers here")
+    add("--plot", type=Path, help="write the Pareto plot (PNG) here")
+    args = parser.parse_args(argv)
+    if args.gpus % args.colocated_tp:
+        parser.error("--gpus must be a multiple of --colocated-tp")
+    if "disaggregated" in args.modes and args.prefill_tp + args.decode_tp != args.gpus:
+        parser.error("--prefill-tp + --decode-tp must equal --gpus (the same GPUs per mode)")
+    if args.output_len < 2 or min(args.concurrency) < 1:
+        parser.error("--output-len must be >= 2 and every concurrency >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    on_gpu = _has_gpus()
+    rows: list[dict] = []
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "on_gpu": on_gpu, "rows": rows}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(args.model or random_models.write_config(args.shape, tmp))
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        rng = np.random.default_rng(0)
+        for mode in args.modes:
+            print(f"[{mode}] starting workers ...", flush=True)
+            deployment = Deployment(mode, model, args, on_gpu)
+            try:
+                for c in args.concurrency:
+                    n = args.num_prompts or max(16, 4 * c)
+                    prompts = [rng.integers(3, vocab, args.input_len).tolist() for _ in range(n)]
+                    deployment.run(prompts[: 2 * c], c, args.output_len)  # warmup: compiles
+                    records = deployment.run(prompts, c, args.output_len)
+                    row = {"mode": mode, "concurrency": c, "gpus": deployment.gpus}
+                    rows.append(row | summarise(records, deployment.gpus))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps(result, indent=2))
+            finally:
+                deployment.close()
+    _print_table(rows)
+    if args.plot:
+        plot(rows, args.plot, f"{args.shape if not args.model else args.model.name}, "
+             f"{args.input_len}/{args.output_len} tokens, {args.gpus} GPUs")  # fmt: skip
+    return result
+
+
+def _has_gpus() -> bool:
+    """NVIDIA GPUs present (asked of nvidia-smi: JAX in this process would take GPU memory)."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(
+        f"{'mode':>13} {'C':>4} {'reqs':>5} {'tok/s/GPU':>10} {'tok/s/user':>10} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['mode']:>13} {r['concurrency']:>4} {r['requests']:>5} "
+            f"{r['output_tokens_per_s_per_gpu']:>10.1f} {r['tokens_per_s_per_user']:>10.1f} "
+            f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
+            f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
