@@ -24,7 +24,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
@@ -33,7 +32,7 @@ from hybridserve.core.scheduler import Scheduler
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
-from hybridserve.runner.sampler import SAMPLING_DTYPES, logprobs, sample, sample_mode
+from hybridserve.runner.sampler import sample_requests
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
@@ -57,9 +56,6 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
-
-
-_fold_keys = jax.jit(jax.vmap(jax.random.fold_in))
 
 
 @dataclasses.dataclass
@@ -357,46 +353,8 @@ class LLMEngine:
         return outputs
 
     def _sample(self, req_ids: list[str], logits: jax.Array) -> np.ndarray:
-        """One token for each of `req_ids` from its row of `logits` (rows beyond them are
-        padding: they get the first request's parameters)."""
-        tracked = [self._tracked[r] for r in req_ids]
-        pad = logits.shape[0] - len(tracked)
-        params = [t.params for t in tracked] + [tracked[0].params] * pad
-        n_out = [len(t.request.output_token_ids) for t in tracked]
-        blocked = [i for i, t in enumerate(tracked) if n_out[i] < t.params.min_tokens]
-        if blocked:  # no EOS or stop token before min_tokens
-            for i in blocked:
-                stops = sorted(tracked[i].request.eos_token_ids | tracked[i].request.stop_token_ids)
-                if stops:
-                    logits = logits.at[i, jnp.asarray(stops)].set(-jnp.inf)
-        columns = (
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-        )
-        mode, keys = sample_mode(*columns), None
-        if mode != "greedy":  # row i draws with fold_in(its key, tokens it has so far)
-            keys = _fold_keys(
-                jnp.stack([t.key for t in tracked] + [tracked[0].key] * pad),
-                jnp.asarray(n_out + n_out[:1] * pad, jnp.int32),
-            )
-        settings = [None] * 4  # greedy: the argmax alone, nothing else sent to the device
-        if mode != "greedy":
-            settings = [jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)]
-        tokens = sample(logits, *settings, keys, mode=mode)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        if wanted:
-            num = max(max(wanted), 1)
-            chosen, top_ids, top_lp = (np.asarray(a) for a in logprobs(logits, tokens, num))
-            for i, t in enumerate(tracked):
-                if t.logprobs is not None:
-                    entry = {
-                        int(top_ids[i, j]): float(top_lp[i, j]) for j in range(t.params.logprobs)
-                    }
-                    entry[int(tokens[i])] = float(chosen[i])
-                    t.logprobs.append(entry)
-        return np.asarray(tokens)[: len(tracked)]
+        """One token for each of `req_ids` from its row of `logits` (`sample_requests`)."""
+        return sample_requests([self._tracked[r] for r in req_ids], logits)
 
     def _stop_string(self, tracked: _Tracked) -> str | None:
         """The first stop string in the text so far (the text is cut before it), or None."""

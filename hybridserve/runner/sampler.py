@@ -4,9 +4,11 @@ log-probabilities."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)  # temperature, k, p, min_p
 
@@ -92,3 +94,48 @@ def logprobs(
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(lp, num)
     return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+_fold_keys = jax.jit(jax.vmap(jax.random.fold_in))
+
+
+def sample_requests(tracked: list[Any], logits: jax.Array) -> np.ndarray:
+    """One token for each request in `tracked` from its row of `logits` (rows beyond them are
+    padding: they get the first request's parameters). Each entry has `params`
+    (SamplingParams), `key` (its PRNG key), `request` (output_token_ids, eos_token_ids,
+    stop_token_ids) and `logprobs` (a list to append to, or None). Row i draws with
+    fold_in(key, tokens it has so far); a request short of `min_tokens` cannot pick EOS or a
+    stop token."""
+    pad = logits.shape[0] - len(tracked)
+    params = [t.params for t in tracked] + [tracked[0].params] * pad
+    n_out = [len(t.request.output_token_ids) for t in tracked]
+    blocked = [i for i, t in enumerate(tracked) if n_out[i] < t.params.min_tokens]
+    if blocked:  # no EOS or stop token before min_tokens
+        for i in blocked:
+            stops = sorted(tracked[i].request.eos_token_ids | tracked[i].request.stop_token_ids)
+            if stops:
+                logits = logits.at[i, jnp.asarray(stops)].set(-jnp.inf)
+    columns = (
+        [p.temperature for p in params],
+        [p.top_k for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+    )
+    mode, keys, settings = sample_mode(*columns), None, [None] * 4
+    if mode != "greedy":  # (greedy: the argmax alone, nothing else goes to the device)
+        keys = _fold_keys(
+            jnp.stack([t.key for t in tracked] + [tracked[0].key] * pad),
+            jnp.asarray(n_out + n_out[:1] * pad, jnp.int32),
+        )
+        settings = [jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)]
+    tokens = sample(logits, *settings, keys, mode=mode)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if wanted:
+        num = max(max(wanted), 1)
+        chosen, top_ids, top_lp = (np.asarray(a) for a in logprobs(logits, tokens, num))
+        for i, t in enumerate(tracked):
+            if t.logprobs is not None:
+                entry = {int(top_ids[i, j]): float(top_lp[i, j]) for j in range(t.params.logprobs)}
+                entry[int(tokens[i])] = float(chosen[i])
+                t.logprobs.append(entry)
+    return np.asarray(tokens)[: len(tracked)]
