@@ -142,13 +142,7 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    doc = __doc__.split("\n\n", 1)
-    parser = argparse.ArgumentParser(
-        description=doc[0], epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    src = parser.add_mutually_exclusive_group()
-    src.add_argument("--shape", choices=sorted(random_models.SHAPES), default="nano-9b-v2")
-    src.add_argument("--model", type=Path, help="a model directory (real weights)")
+    parser = random_models.model_parser(__doc__)
     add = parser.add_argument
     add("--batch", type=int, nargs="+", default=[1, 8, 64], help="default 1 8 64")
     add("--context", type=int, default=1024, help="cached tokens per sequence (default 1024)")

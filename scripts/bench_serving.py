@@ -217,13 +217,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    doc = __doc__.split("\n\n", 1)
-    parser = argparse.ArgumentParser(
-        description=doc[0], epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    src = parser.add_mutually_exclusive_group()
-    src.add_argument("--shape", choices=sorted(random_models.SHAPES), default="nano-9b-v2")
-    src.add_argument("--model", type=Path, help="a model directory (real weights)")
+    parser = random_models.model_parser(__doc__)
     add = parser.add_argument
     add("--modes", nargs="+", choices=MODES, default=list(MODES))
     add("--gpus", type=int, default=2, help="GPUs per deployment (default 2)")

@@ -117,6 +117,19 @@ def write_config(shape: str, directory: str | Path) -> Path:
     return directory
 
 
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark script's parser: description and epilog from its docstring `doc`, and the
+    model choice (`--shape` of SHAPES with dummy weights, or `--model` a directory)."""
+    head, tail = doc.split("\n\n", 1)
+    parser = argparse.ArgumentParser(
+        description=head, epilog=tail, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--shape", choices=sorted(SHAPES), default="nano-9b-v2")
+    src.add_argument("--model", type=Path, help="a model directory (real weights)")
+    return parser
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
