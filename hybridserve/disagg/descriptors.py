@@ -37,10 +37,10 @@ Coarse ids (`coarse_view`; logical ids, no ratio expansion): attention `i*N_log 
 `fa + i*N_log + b` with `fa = T*N_log` (0 without FA); `2^k` pages from p at level k:
 `B_k + i*(N_log - 2^k + 1) + p`, `B_k = (1+m)*T*N_log + T*((k-1)*(N_log+1) - 2^k + 2)` (m = 1
 with Mamba, else 0). `coarse_view.coarse_pair_ids` cuts joint runs of consecutive pages (both
-sides) into power-of-two pieces. A 64-page consecutive request of Nemotron-3-Nano-30B (T = 6,
-one attention group, 4 Mamba groups of 1 page) gives `6*1 + 4*6*1 = 30` ids per side (one
-64-page piece per region); unmerged `6*64 + 24 = 408`; the dual view `12*64*261 + 4*24 =
-200,544`.
+sides) into power-of-two pieces. A 64-page consecutive request of Nemotron-3-Nano-30B (fp8
+KV at TP 2: ratio 261; T = 6, one attention group, 4 Mamba groups of 1 page) gives `6*1 +
+4*6*1 = 30` ids per side (one 64-page piece per region); unmerged `6*64 + 24 = 408`; the dual
+view `12*64*261 + 4*24 = 200,544`.
 
 Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
 (rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).

@@ -12,8 +12,8 @@ levels k = 1..L (L <= 6, attention only): the 2^k pages from p at `B_k + i*(N_lo
 `B_k = (1+m)*T*N_log + T*((k-1)*(N_log+1) - 2^k + 2)` (m = 1 with Mamba). Per request, joint
 runs of consecutive (local, remote) pages are cut into power-of-two pieces, one id per piece
 and region on each side (`coarse_view.coarse_pair_ids`). A 64-page consecutive
-Nemotron-3-Nano-30B request at TP2 -> TP2: 30 ids per side (6 attention, one 64-page piece per
-region, + 24 Mamba), 408 unmerged, 200,544 in the dual view.
+Nemotron-3-Nano-30B request at TP2 -> TP2 (fp8 KV, ratio 261): 30 ids per side (6 attention,
+one 64-page piece per region, + 24 Mamba), 408 unmerged, 200,544 in the dual view.
 Per-request cost: proportional to the ids produced, never to N_phys or N_log; the dual view's
 attention ids are emitted as `range`s of adjacent kernel blocks (`list += range`, C speed).
 

@@ -197,8 +197,9 @@ def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Arra
 
 def read_mamba(
     region: jax.Array, acc: MambaAccess, tp: int, pages: jax.Array, page_rows: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages,
+    then `region` itself (unchanged), so a caller threads it on like `write_mamba`'s result."""
     raw = _read_pages(region, pages, page_rows)  # [tp, B, page_bytes]
     n = jnp.dtype(acc.conv_dtype).itemsize * acc.rows
     xb, bb = acc.x_dim * n, acc.bc_dim * n
