@@ -185,3 +185,15 @@ class LLM:
     def stats(self) -> dict[str, float]:
         """Engine statistics: queue sizes, cache usage, prefix-cache hit rate."""
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Release what outlives a Python reference: a P/D engine's NIXL agent (whose progress
+        thread polls without pause) and its handshake server. Idempotent; `with LLM(...) as
+        llm:` calls it on exit."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -419,3 +419,11 @@ class LLMEngine:
         if self.spec is not None:
             stats.update(self.spec.stats())
         return stats
+
+    def close(self) -> None:
+        """Release the NIXL connector: its handshake server, prepared transfers, registered
+        memory and agent (idempotent). A prefill or decode engine takes no P/D request after
+        it; a colocated engine has nothing to release."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None

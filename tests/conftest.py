@@ -1,9 +1,20 @@
-"""Test configuration: four host devices for tensor-parallel tests, and tiny HF checkpoints."""
+"""Test configuration: four host devices for tensor-parallel tests, a persistent compilation
+cache, and tiny HF checkpoints.
+
+The suite builds many engines over the same few tiny models, in the test processes and in the
+worker, server and notebook processes they start; each engine jits its own step functions, so
+without a cache every one of them compiles the same XLA programs again. JAX's persistent
+compilation cache (keyed by the program, its devices and compile options) lets every process
+after the first load them instead. The environment variables set here reach every process the
+tests start. `HYBRIDSERVE_TEST_JAX_CACHE=0` turns it off.
+"""
 
 from __future__ import annotations
 
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # Must happen before jax is imported anywhere in the session.
@@ -12,6 +23,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("HYBRIDSERVE_TEST_JAX_CACHE", "1") != "0":
+    cache = Path(tempfile.gettempdir()) / f"hybridserve-test-jax-cache-{getpass.getuser()}"
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

@@ -149,10 +149,15 @@ class NixlTransport:
         self.agent.send_notif(peer, message)
 
     def close(self) -> None:
-        """Release prepared lists and deregister the memory (idempotent)."""
+        """Release prepared lists, deregister the memory and drop the agent (idempotent). The
+        agent's progress thread polls without pause while the agent lives, so an agent left
+        open costs a share of a core until the process ends."""
+        if self.agent is None:
+            return
         for handle in self._handles:
             handle.release()
         self._handles.clear()
         if self._registered is not None:
             self.agent.deregister_memory(self._registered)
             self._registered = None
+        self.agent = None

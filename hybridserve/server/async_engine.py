@@ -26,7 +26,8 @@ Lifecycle:
      cannot hold a slot forever.
   5. `shutdown(timeout)`: stop accepting (503), wait up to `timeout` seconds for the live
      requests, then STOP: the thread aborts what is left, ends every stream with `EngineStopped`
-     and exits; `shutdown` joins it.
+     and exits; `shutdown` joins it, then closes the engine (a P/D engine's NIXL agent and
+     handshake server).
 If the engine raises inside the loop, every live stream fails with `EngineDead`, `dead` is set
 (/health answers 503) and the thread exits.
 """
@@ -238,6 +239,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join)
+        self.engine.close()  # the engine thread is gone: only this thread touches it now
 
     # -- engine-thread side ---------------------------------------------------------------
 

@@ -7,6 +7,7 @@ a real NIXL READ from the prefill engine's region buffers into the decode engine
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -19,7 +20,24 @@ from hybridserve.config import KVTransferConfig
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+_OPEN: list[LLM] = []  # the engines the running test made
+
+
+@pytest.fixture(autouse=True)
+def close_engines():
+    """Close every engine a test makes: a live NIXL agent's progress thread polls without
+    pause, and agents left open would starve the rest of the suite of CPU."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def _llm(directory, tp=1, role=None, mode="pull", kv=None, **kw):
+    _OPEN.append(llm := _make_llm(directory, tp, role, mode, kv, **kw))
+    return llm
+
+
+def _make_llm(directory, tp, role, mode, kv, **kw):
     return LLM(
         directory,
         dtype="float32",
@@ -167,3 +185,20 @@ def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
     time.sleep(1.5)  # past the first deadline: still held thanks to the heartbeat
     prefill.engine.poll_transfers()
     assert params["req_id"] in prefill.engine.scheduler.held
+
+
+def test_close_releases_the_agent_and_the_handshake_server(hf_checkpoint):
+    directory = hf_checkpoint("nemotron_h")[0]
+    native = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    handshakes = lambda: sum(t.name == "handshake" for t in threading.enumerate())  # noqa: E731
+    before = native(), handshakes()
+    with _make_llm(directory, 1, "kv_producer", "pull", None) as llm:
+        opened = native(), handshakes()
+        assert opened[0] > before[0] and opened[1] == before[1] + 1
+    assert llm.engine.connector is None
+    deadline = time.monotonic() + 10  # the handshake thread notices its closed socket
+    while handshakes() > before[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handshakes() == before[1]
+    assert native() <= opened[0] - 2  # the agent's progress thread and the handshake thread
+    llm.close()  # idempotent

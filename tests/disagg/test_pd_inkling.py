@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hybridserve.config import MtpConfig
-from tests.disagg.test_pd_engines import GREEDY, _llm, _pd_generate
+from tests.disagg.test_pd_engines import GREEDY, _llm, _pd_generate, close_engines  # noqa: F401
 from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
 
 
