@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -139,6 +140,10 @@ class RankLayout:
         need(len(self.region_bases) > 0, "no regions")
         need(self.num_pages > 0 and self.page_bytes > 0, "empty pool")
         need(self.ratio > 0 and self.page_bytes % self.ratio == 0, "page not a ratio multiple")
+        span, bases = self.num_pages * self.page_bytes, sorted(self.region_bases)
+        need(bases[0] >= 0, f"negative region base {bases[0]}")
+        overlap = [(a, b) for a, b in itertools.pairwise(bases) if b - a < span]
+        need(not overlap, f"regions of {span} bytes overlap at bases {overlap[:1]}")
         need(len(self.group_kinds) == len(self.group_layers) > 0, "group kinds/layers")
         bad = sorted(set(self.group_kinds) - set(GROUP_KINDS))
         need(not bad, f"unknown group kinds {bad}")

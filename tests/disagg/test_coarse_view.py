@@ -5,6 +5,7 @@ per-request id counts of a 64-page Nemotron-3-Nano-30B request. Pure Python: no 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -185,8 +186,15 @@ def test_nano_tp2_to_tp2_request_of_64_pages():
 def test_coarse_ids_do_not_depend_on_the_pool_size():
     # 10**10 pages per side: the runs are lazy and the ids only use N_log as an offset
     n, n2 = 10**10, 3 * 10**10
-    local = nano(2, num_pages=n)
-    remotes = {0: nano(2, num_pages=n2, side=1)}
+
+    def huge(num_pages, side):  # regions far enough apart for such a pool
+        lay = nano(2, side=side)
+        span = num_pages * lay.page_bytes
+        bases = tuple((side * lay.num_regions + i) * span for i in range(lay.num_regions))
+        return dataclasses.replace(lay, num_pages=num_pages, region_bases=bases)
+
+    local = huge(n, side=0)
+    remotes = {0: huge(n2, side=1)}
     (read,) = plan_reads(local, remotes).reads
     assert read.coarse
     lids, rids = read.descriptor_ids([[7]] * 4 + [[5, 6]], [[8]] * 4 + [[9, 10]])

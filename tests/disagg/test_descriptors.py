@@ -222,6 +222,19 @@ def test_layout_validation():
         RankLayout.from_plan(make_plan(cfg, 1), cfg, tp_rank=0, region_bases=[1, 2], num_pages=4)
 
 
+def test_layout_refuses_overlapping_regions():
+    # A peer's layout arrives over the wire: regions that share bytes would alias two layers.
+    lay = nano(1, num_pages=10)
+    span = 10 * lay.page_bytes
+    touching = [7 * span - i * span for i in range(lay.num_regions)]  # descending, no gap
+    assert dataclasses.replace(lay, region_bases=tuple(touching)).region_bases[0] == 7 * span
+    one_byte_short = (*touching[:-1], touching[-2] - span + 1)
+    with pytest.raises(ValueError, match=f"regions of {span} bytes overlap"):
+        dataclasses.replace(lay, region_bases=one_byte_short)
+    with pytest.raises(ValueError, match="negative region base"):
+        dataclasses.replace(lay, region_bases=(-span, *touching[:-1]))
+
+
 # --- compatibility -----------------------------------------------------------------------------
 
 
