@@ -108,11 +108,16 @@ class DisaggregatedLLM:
         use_tqdm: bool = True,
         timeout: float = 600.0,
     ) -> list[RequestOutput]:
-        """Generate for each prompt through prefill then decode; outputs in prompt order."""
+        """Generate for each prompt through prefill then decode; outputs in prompt order.
+
+        Each output's `metrics` count from the call: `first_token_time` is when the prefill
+        worker's first token reached this process, `finished_time` when the decode worker's
+        output did (so the decode rate includes the KV transfer)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = dataclasses.asdict(sampling_params or SamplingParams())
         pending: dict[str, tuple[Any, list[int]]] = {}
+        first_token: dict[str, float] = {}  # req_id -> when the prefill's token arrived
         start = time.perf_counter()
         for prompt in prompts:
             req_id = f"pd-{self._counter}"
@@ -134,14 +139,15 @@ class DisaggregatedLLM:
             while len(done) < len(pending):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(pending) - len(done)} requests unfinished")
-                self._pump(self.prefill, pending, params, done, start, bar, forward=True)
-                self._pump(self.decode, pending, params, done, start, bar, forward=False)
+                for worker, forward in ((self.prefill, True), (self.decode, False)):
+                    self._pump(worker, pending, first_token, params, done, start, bar, forward)
         return [done[r] for r in pending]
 
     def _pump(
         self,
         worker: WorkerHandle,
         pending: dict,
+        first_token: dict[str, float],
         params: dict,
         done: dict,
         start: float,
@@ -157,6 +163,7 @@ class DisaggregatedLLM:
         out = message["output"]
         prompt, ids = pending[out["req_id"]]
         if forward and "error" not in out:
+            first_token[out["req_id"]] = time.perf_counter()
             self.decode.send(
                 {
                     "op": "add",
@@ -177,6 +184,7 @@ class DisaggregatedLLM:
         )
         metrics = RequestMetrics(
             arrival_time=start,
+            first_token_time=first_token.get(out["req_id"]),
             finished_time=time.perf_counter(),
             num_generated_tokens=len(completion.token_ids),
         )

@@ -108,8 +108,12 @@ def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
         max_num_batched_tokens=2048,
         lease_s=2.0,
     ) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == want
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        for out in outputs:  # the first token comes from prefill, the rest after the transfer
+            m = out.metrics
+            assert m.arrival_time < m.first_token_time < m.finished_time
+            assert m.num_generated_tokens == GREEDY.max_tokens and m.tokens_per_second > 0
         stats = llm.stats()
         assert stats["decode"]["pages_used"] == 0
         # A decode side that never reads: the prefill worker frees the pages when the lease ends.
