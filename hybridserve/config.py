@@ -264,6 +264,9 @@ class KVTransferConfig:
     what a decode request does when its transfer fails: "recompute" locally or "fail".
     `transfer_mode` (decode side): "pull" (the decode engine READs) or "push" (it asks the
     prefill engine to WRITE). `nixl_threads`: worker threads of NIXL's UCX backend (0: none).
+    `wait_timeout_s` (decode side): how long a request may wait for cache pages or a seat
+    before its transfer starts; past it the request recomputes locally or fails (per
+    `failure_policy`) and the prefill engine is told to free its pages.
     """
 
     kv_role: str = "kv_both"
@@ -274,6 +277,7 @@ class KVTransferConfig:
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    wait_timeout_s: float = 600.0
     failure_policy: str = "recompute"
     transfer_mode: str = "pull"
     nixl_threads: int = 0
@@ -293,7 +297,10 @@ class KVTransferConfig:
             f"transfer_mode must be 'pull' or 'push': {self.transfer_mode!r}",
         )
         _require(self.nixl_threads >= 0, f"nixl_threads must be >= 0: {self.nixl_threads}")
-        _require(self.lease_s > 0 and self.transfer_timeout_s > 0, "timeouts must be > 0")
+        _require(
+            self.lease_s > 0 and self.transfer_timeout_s > 0 and self.wait_timeout_s > 0,
+            "timeouts must be > 0",
+        )
 
     @property
     def is_producer(self) -> bool:

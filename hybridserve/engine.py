@@ -118,12 +118,13 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._counter = 0
         self.connector = None
+        self.remote = None
         if config.kv_transfer is not None:
             from hybridserve.disagg.connector import NixlConnector
+            from hybridserve.disagg.remote_requests import RemoteRequests
 
             self.connector = NixlConnector(config.kv_transfer, self.runner)
-        self._deferred: list[tuple[str, dict]] = []  # remote requests waiting for pages
-        self._abort_after_pull: set[str] = set()
+            self.remote = RemoteRequests(self.connector, self.scheduler, self._gave_up)
         self._ready: list[RequestOutput] = []  # outputs produced outside a model step
         self.spec = (
             None
@@ -193,6 +194,10 @@ class LLMEngine:
             raise ValueError("do_remote_decode needs a kv_producer (or kv_both) engine")
         if "block_tables" in remote and not self.connector.config.is_consumer:
             raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
+        if "block_tables" in remote:
+            from hybridserve.disagg.remote_requests import check_params
+
+            check_params(remote, len(ids))
         if req_id is None:
             req_id = f"req-{self._counter}"
         if req_id in self._tracked:
@@ -224,9 +229,8 @@ class LLMEngine:
             [] if params.logprobs is not None else None,
         )
         self._tracked[req_id].remote_prefill = producer
-        if remote.get("num_tokens", 0) > 0:
-            self._deferred.append((req_id, remote))
-            self._start_transfers()
+        if "block_tables" in remote:
+            self.remote.add(request, remote)
         else:
             self.scheduler.add_request(request)
         return req_id
@@ -237,58 +241,22 @@ class LLMEngine:
             return
         if self.spec is not None:
             self.spec.forget(req_id)
-        self._deferred = [(r, p) for r, p in self._deferred if r != req_id]
-        if self.connector is not None and req_id in self.connector.pulls:
-            self._abort_after_pull.add(req_id)  # its pages are being written: free them later
-        else:
+        if self.remote is None or not self.remote.abort(req_id):
             self.scheduler.abort_request(req_id)
 
-    def _start_transfers(self) -> None:
-        """Give deferred remote requests pages and start their transfers, while pages last."""
-        still = []
-        for req_id, remote in self._deferred:
-            request = self._tracked[req_id].request
-            tables = self.scheduler.add_remote_request(request, int(remote["num_tokens"]))
-            if tables is None:
-                still.append((req_id, remote))
-                continue
-            try:
-                self.connector.start_transfer(req_id, remote, tables)
-            except Exception as err:  # handshake or NIXL failure: decided by the policy
-                self._transfer_failed(req_id, f"cannot start the transfer: {err}")
-        self._deferred = still
-
-    def _transfer_failed(self, req_id: str, reason: str) -> None:
-        """The request recomputes locally, or (policy "fail") ends with `reason`."""
-        self.scheduler.finish_remote_kv(req_id, ok=False)
-        if self.connector.config.failure_policy == "recompute":
-            return
-        self.scheduler.finish_request(req_id, "abort", stop_reason=reason)
+    def _gave_up(self, req_id: str, reason: str) -> None:
+        """A decode-side P/D request failed for good (`failure_policy` "fail"): report it."""
         tracked = self._tracked.pop(req_id)
         self._ready.append(self._output(tracked, True, time.perf_counter()))
 
     def poll_transfers(self) -> None:
-        """Advance P/D bookkeeping: finished pulls, released and expired held pages."""
-        if self.connector is None:
-            return
-        for req_id in self.connector.poll_producer():
-            self.scheduler.release_held(req_id)
-        for req_id, ok, reason in self.connector.poll_consumer():
-            if req_id in self._abort_after_pull:
-                self._abort_after_pull.discard(req_id)
-                self.scheduler.finish_remote_kv(req_id, ok=False)
-                self.scheduler.abort_request(req_id)
-            elif ok:
-                self.scheduler.finish_remote_kv(req_id, ok=True)
-            else:
-                self._transfer_failed(req_id, reason or "transfer failed")
-        if self._deferred:
-            self._start_transfers()
-        if self._deferred or self.connector.pulls:
-            self.connector.keep_alive([remote for _, remote in self._deferred])
+        """Advance P/D bookkeeping (`disagg.remote_requests`): finished transfers, requests
+        waiting for pages, released and expired held pages."""
+        if self.remote is not None:
+            self.remote.poll()
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished() or self._deferred or self._ready)
+        return bool(self.scheduler.has_unfinished() or self.remote or self._ready)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that got a token in it."""
@@ -414,6 +382,7 @@ class LLMEngine:
             stats.update(
                 transfer_failures=self.connector.failures,
                 transfer_bytes=self.connector.bytes_moved,
+                transfer_bytes_received=self.connector.bytes_received,
                 held_requests=len(s.held),
             )
         if self.spec is not None:

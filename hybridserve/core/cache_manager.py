@@ -13,6 +13,18 @@ A step's lifecycle as the scheduler drives it: `find_prefix` + `allocate_slots` 
 `allocate_slots` (running requests), then `take_page_copies` (ends the schedule: state snapshots
 and the step's copies), the runner runs the step, then `on_computed` per request and
 `finish_step` (registers snapshots, releases copy sources).
+
+A request whose first tokens another engine computed (the decode side of P/D) is admitted by
+`allocate_remote` instead: it takes what a colocated engine would hold at its next step, and
+says from which token each group's pages must be filled by the transfer.
+
+Invariant: only valid bytes are ever registered in the prefix cache. A unit k of an attention
+group g is registered for a request only when its page is not the null page and its tokens lie at
+or after the request's `valid_from[g]`: 0 for a request computed here (its prefix-hit units are
+never registered again), the first transferred token for a P/D request (tokens before it are in
+shared prefix pages, or were never written: out of the window, or in the part of a page the
+transfer skipped). Mamba snapshots are registered only from states at a known position: a
+running state after a step, or after a completed transfer.
 """
 
 from __future__ import annotations
@@ -59,6 +71,15 @@ class GroupManager:
         steps of at most `chunk` tokens."""
         return self.pages_needed([], num_tokens)
 
+    def first_token(self, num_computed: int) -> int:
+        """The first cached token a step starting at `num_computed` reads."""
+        return 0
+
+    def first_page(self, num_computed: int) -> int:
+        """The first page a request with `num_computed` tokens in the cache still holds: the
+        pages before it are the null page in its table."""
+        return 0
+
     def drop_out_of_window(self, table: list[int], num_computed: int) -> None:
         """Free pages no future token attends to (sliding windows only)."""
 
@@ -92,11 +113,15 @@ class SlidingWindowManager(FullAttentionManager):
             cdiv(num_tokens, self.block_size), cdiv(self.window + chunk, self.block_size) + 1
         )
 
+    def first_token(self, num_computed: int) -> int:
+        return max(0, num_computed - self.window)
+
+    def first_page(self, num_computed: int) -> int:
+        return max(0, (num_computed - self.window) // self.block_size)
+
     def drop_out_of_window(self, table: list[int], num_computed: int) -> None:
         # freed pages form a prefix of the table: walk back from the newest one out of window
-        for j in range(
-            min(len(table), (num_computed - self.window) // self.block_size) - 1, -1, -1
-        ):
+        for j in range(min(len(table), self.first_page(num_computed)) - 1, -1, -1):
             if table[j] == NULL_PAGE:
                 break
             self.pool.free([table[j]])
@@ -141,6 +166,7 @@ class CacheCoordinator:
         self._tables: dict[str, list[list[int]]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._registered: dict[str, int] = {}  # units registered (or hit) per request
+        self._valid_from: dict[str, tuple[int, ...]] = {}  # P/D requests: see the invariant
         self._step_requests: list[Request] = []  # allocated in the step being scheduled
         self._copies: list[tuple[int, int]] = []
         self._copy_refs: list[int] = []  # copy sources of the step being scheduled / in flight
@@ -178,13 +204,17 @@ class CacheCoordinator:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def find_prefix(self, request: Request) -> PrefixHit:
-        """The longest usable cached prefix of a request about to be admitted (pure lookup)."""
+    def find_prefix(self, request: Request, resume: int | None = None) -> PrefixHit:
+        """The longest usable cached prefix of a request about to be admitted (pure lookup).
+        `resume`: a P/D request that goes on from there with a transferred state (see
+        `prefix_cache.find_prefix`)."""
         if not self.caching:
             return self.miss()
         hashes = self._unit_hashes(request, (request.num_tokens - 1) // self.unit)
         windows = [m.window for m in self.managers]
-        return find_prefix(self.pool, self.kinds, windows, self.block_size, self.unit, hashes)
+        return find_prefix(
+            self.pool, self.kinds, windows, self.block_size, self.unit, hashes, resume
+        )
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
@@ -233,6 +263,62 @@ class CacheCoordinator:
         self._step_requests.append(request)
         return True
 
+    def allocate_remote(
+        self, request: Request, num_tokens: int, hit: PrefixHit | None = None
+    ) -> tuple[int, ...] | None:
+        """Admit a request whose first `num_tokens` tokens another engine computed (the decode
+        side of P/D), or change nothing and return None when the pool has no room.
+
+        The request takes what a colocated engine would hold at its next step (the first decode
+        step, over token `num_tokens`): pages for `num_tokens + 1` tokens, a window group only
+        the pages of `[num_tokens - window, num_tokens + 1)` (null pages before). The whole pages
+        of a prefix hit (`find_prefix(request, num_tokens)`) are shared; the page holding the hit's
+        end, if any, is filled by the transfer like the rest. Returns, per group, the first
+        token whose bytes the transfer must bring: attention groups `max(p, first token read)`
+        (p: the hit cut to whole pages), rounded down to the kernel block, `num_tokens` or more
+        when nothing is needed; Mamba groups 0 (their state page is filled whole: the state after
+        `num_tokens` tokens). Until `on_computed` (after the transfer) nothing is registered.
+        """
+        req_id = request.req_id
+        if req_id in self._tables:
+            raise ValueError(f"request {req_id} already has pages")
+        hit = hit or self.miss()
+        size, kernel = self.block_size, self.plan.kernel_block_size
+        p = hit.num_tokens // size * size
+        tables: list[list[int]] = []
+        fill: list[int] = []
+        for m, shared in zip(self.managers, hit.shared, strict=True):
+            if m.kind == "mamba":
+                tables.append([])
+                fill.append(0)
+                continue
+            first = m.first_page(num_tokens)
+            own = [NULL_PAGE if j < first else page for j, page in enumerate(shared[: p // size])]
+            own += [NULL_PAGE] * (first - len(own))
+            assert NULL_PAGE not in own[first:], "a window page of the hit is missing"
+            tables.append(own)
+            fill.append(max(p, m.first_token(num_tokens) // kernel * kernel))
+        taken = {page for table in tables for page in table if page != NULL_PAGE}
+        held = sum(1 for page in taken if self.pool.ref_count(page) == 0)
+        needs = [
+            m.pages_needed(t, num_tokens + 1) for m, t in zip(self.managers, tables, strict=True)
+        ]
+        if sum(needs) + held > self.pool.num_free:
+            return None
+        self.pool.touch(page for table in tables for page in table)
+        for table, n in zip(tables, needs, strict=True):
+            if n:
+                table.extend(self.pool.allocate(n))
+        self._tables[req_id] = tables
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = p
+        self._registered[req_id] = p // self.unit
+        self._valid_from[req_id] = tuple(fill)
+        self.stats.num_queries += 1
+        self.stats.queried_tokens += request.num_tokens
+        self.stats.hit_tokens += p
+        return tuple(fill)
+
     def free(self, request: Request, keep_state: bool = True) -> None:
         """Release everything the request holds. With `keep_state` (the request's cache is
         consistent: no step in flight writes to it), a running state page that ends on a unit
@@ -246,6 +332,7 @@ class CacheCoordinator:
                 m.free(table)
         self._hashes.pop(req_id, None)
         self._registered.pop(req_id, None)
+        self._valid_from.pop(req_id, None)
 
     def _hold(self, src: int) -> None:
         """Reference a copy source until the step that copies from it has run."""
@@ -265,7 +352,8 @@ class CacheCoordinator:
         return copies
 
     def on_computed(self, request: Request) -> None:
-        """After a step: register the request's newly full units in every attention group."""
+        """After a step (or a completed transfer): register the request's newly full units in
+        every attention group, those with valid bytes only (the module's invariant)."""
         if not self.caching or request.req_id not in self._tables:
             return
         full = request.num_computed_tokens // self.unit
@@ -274,12 +362,13 @@ class CacheCoordinator:
             return
         hashes = self._unit_hashes(request, full)
         tables = self._tables[request.req_id]
+        valid = self._valid_from.get(request.req_id)
         per_page = self.block_size // self.unit
         for k in range(done, full):
             for g in self.attention:
                 table = tables[g]
                 page = table[k // per_page] if k // per_page < len(table) else NULL_PAGE
-                if page != NULL_PAGE:
+                if page != NULL_PAGE and (valid is None or k * self.unit >= valid[g]):
                     self.pool.register((g, hashes[k]), page, k % per_page)
         self._registered[request.req_id] = full
 

@@ -50,3 +50,26 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks and not self.page_copies
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteSlots:
+    """The pages a P/D request got on the decode side (`Scheduler.add_remote_request`), and
+    what its transfer must fill.
+
+    block_tables:      per cache group (plan order), as in `ScheduledChunk`, covering
+                       `num_tokens + 1` tokens (the first decode step's token too); a window
+                       group holds only its window (null pages before), and the whole pages of
+                       a decode-side prefix hit come first (shared: the transfer skips them).
+    fill_from:         per group, the first token whose bytes the transfer brings: attention
+                       groups a multiple of the kernel block (`num_tokens` or more: nothing);
+                       Mamba groups 0 (the state page is filled whole: the state after
+                       `num_tokens` tokens).
+    num_tokens:        the tokens another engine computed.
+    num_cached_tokens: tokens the decode side's own prefix cache served (whole pages).
+    """
+
+    block_tables: tuple[tuple[int, ...], ...]
+    fill_from: tuple[int, ...]
+    num_tokens: int
+    num_cached_tokens: int = 0

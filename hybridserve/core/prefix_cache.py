@@ -38,6 +38,12 @@ page (the units past p in it are garbage the request overwrites, and never reads
 groups get a fresh running state page filled by copying the snapshot. Sliding-window pages wholly
 before `p - window` are not taken at all (null page). Copy sources hold a reference until the
 step that copies from them has run. Without Mamba groups the same code hits at unit granularity.
+
+The decode side of P/D (`CacheCoordinator.allocate_remote`) looks up with `resume` = the tokens
+the prefill engine computed: the transfer brings the Mamba state at `resume`, so no snapshot is
+needed, and a sliding-window group needs only the units overlapping `[resume - window, p)` (none
+when the window starts after p). It shares the hit's whole pages and has the transfer fill the
+rest (the page holding p included), so no copy races the transfer's writes.
 """
 
 from __future__ import annotations
@@ -133,10 +139,14 @@ def find_prefix(
     block_size: int,
     unit: int,
     hashes: Sequence[bytes],
+    resume: int | None = None,
 ) -> PrefixHit:
     """The longest usable cached prefix of a request whose unit hashes (at most the units
     before its last token) are `hashes`. `kinds[g]` is group g's kind and `windows[g]` its
-    sliding window (None when it has none). Pure: changes nothing."""
+    sliding window (None when it has none). `resume` (P/D decode side): the request goes on from
+    that position (>= the hit) with a state brought another way, so Mamba groups neither limit
+    the hit nor give a source, and sliding windows count back from `resume`; without attention
+    groups that is a miss. Pure: changes nothing."""
     per_page = block_size // unit
     memo: dict[tuple[int, int], int | None] = {}
 
@@ -148,9 +158,11 @@ def find_prefix(
         return memo[g, k]
 
     def first_needed(g: int, n: int) -> int:
-        """The first unit that a hit of n units must hold in group g (window-limited)."""
+        """The first unit that a hit of n units must hold in group g (window-limited; n or
+        more: none)."""
         window = windows[g]
-        return 0 if window is None else max(0, (n * unit - window) // unit)
+        end = n * unit if resume is None else max(n * unit, resume)
+        return 0 if window is None else max(0, (end - window) // unit)
 
     def consistent(g: int, first: int, n: int) -> int:
         """The largest m <= n such that units first..m-1 are cached and each page's units come
@@ -165,8 +177,8 @@ def find_prefix(
 
     full = [g for g, kind in enumerate(kinds) if kind == "full_attention"]
     sliding = [g for g, kind in enumerate(kinds) if kind == "sliding_window"]
-    mamba = [g for g, kind in enumerate(kinds) if kind == "mamba"]
-    n = len(hashes)
+    mamba = [g for g, kind in enumerate(kinds) if kind == "mamba"] if resume is None else []
+    n = len(hashes) if resume is None or full or sliding else 0
     for g in full:
         n = consistent(g, 0, n)
     while n and not (
@@ -182,7 +194,7 @@ def find_prefix(
     for g, kind in enumerate(kinds):
         if kind == "mamba":
             shared.append(())
-            sources.append(pool.lookup((g, hashes[n - 1]))[0])
+            sources.append(None if resume is not None else pool.lookup((g, hashes[n - 1]))[0])
             continue
         first = first_needed(g, n)
         pages = [
@@ -190,7 +202,6 @@ def find_prefix(
             for j in range(p // block_size)
         ]
         shared.append(tuple(pages))
-        partial = p % block_size != 0
-        j = p // block_size
-        sources.append(page_of(g, max(first, j * per_page)) if partial else None)
+        k = max(first, p // block_size * per_page)  # the unit that holds the partial page
+        sources.append(page_of(g, k) if p % block_size and k < n else None)
     return PrefixHit(p, tuple(shared), tuple(sources))

@@ -17,9 +17,11 @@ requests, appends sampled tokens, applies the stop rules and frees finished requ
 
 Disaggregated prefill/decode: on the prefill side a request with `hold_pages` keeps its pages
 after it finishes (`held_tables`) until `release_held` (the decode side has read them, or the
-lease expired). On the decode side `add_remote_request` allocates the pages of the tokens another
-worker computed and parks the request (WAITING_FOR_REMOTE_KV) until `finish_remote_kv` reports
-the transfer: done (the request runs from there) or failed (it recomputes from scratch).
+lease expired). On the decode side `add_remote_request` allocates what a colocated engine would
+hold at the request's first decode step (window groups: their window only; a prefix hit's whole
+pages shared) and parks the request (WAITING_FOR_REMOTE_KV) until `finish_remote_kv` reports
+the transfer: done (the request runs from there, its transferred units become prefix-cache
+units) or failed (it recomputes from scratch).
 
 `schedule()` and `update_from_output()` alternate: a non-empty output must be updated before the
 next schedule. `abort_request` and `finish_request` may be called at any time; a request
@@ -33,7 +35,7 @@ from collections import deque
 
 from hybridserve.config import SchedulerConfig
 from hybridserve.core.cache_manager import CacheCoordinator
-from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.core.outputs import RemoteSlots, ScheduledChunk, SchedulerOutput
 from hybridserve.core.prefix_cache import PrefixCacheStats
 from hybridserve.core.request import Request, RequestStatus
 from hybridserve.kv_spec import CachePlan
@@ -262,7 +264,8 @@ class Scheduler:
         """Drop a request that just got a FINISHED_* status from the queues and the cache."""
         del self.requests[request.req_id]
         del self._order[request.req_id]
-        self.remote.pop(request.req_id, None)
+        if self.remote.pop(request.req_id, None) is not None:
+            keep_state = False  # its pages may still be being written
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -286,12 +289,12 @@ class Scheduler:
         self.coordinator.free(request, keep_state=True)
         return True
 
-    def add_remote_request(
-        self, request: Request, num_external_tokens: int
-    ) -> tuple[tuple[int, ...], ...] | None:
-        """Allocate pages for the first `num_external_tokens` tokens, which another worker
-        computed, and park the request until `finish_remote_kv`. Returns the block tables to
-        fill, or None when there are no seats or pages now (nothing changes; retry later)."""
+    def add_remote_request(self, request: Request, num_external_tokens: int) -> RemoteSlots | None:
+        """Allocate pages for a request whose first `num_external_tokens` tokens another worker
+        computed (`CacheCoordinator.allocate_remote`: what a colocated engine would hold at its
+        first decode step, less the whole pages this engine's prefix cache already has) and
+        park it until `finish_remote_kv`. Returns the pages and what the transfer must fill,
+        or None when there are no seats or pages now (nothing changes; retry later)."""
         if request.req_id in self.requests:
             raise ValueError(f"request {request.req_id!r} is already queued")
         if not 0 < num_external_tokens < request.num_prompt_tokens:
@@ -307,14 +310,21 @@ class Scheduler:
             )
         if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
             return None
-        if not self.coordinator.allocate_slots(request, num_external_tokens):
+        hit = self.coordinator.find_prefix(request, resume=num_external_tokens)
+        fill = self.coordinator.allocate_remote(request, num_external_tokens, hit)
+        if fill is None:
             return None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.req_id] = request
         self._order[request.req_id] = self._counter
         self._counter += 1
         self.remote[request.req_id] = num_external_tokens
-        return self.coordinator.block_tables(request)
+        return RemoteSlots(
+            self.coordinator.block_tables(request),
+            fill,
+            num_external_tokens,
+            request.num_cached_tokens,
+        )
 
     def finish_remote_kv(self, req_id: str, ok: bool) -> None:
         """The transfer for a parked request ended. ok: its tokens count as computed and it runs

@@ -41,6 +41,7 @@ import uuid
 from typing import Any
 
 from hybridserve.config import KVTransferConfig
+from hybridserve.core.outputs import RemoteSlots
 from hybridserve.disagg.descriptors import RankLayout, check_compatible
 from hybridserve.disagg.handshake import HandshakeError, HandshakeServer, fetch_peer
 from hybridserve.disagg.notes import decode_note, encode_note
@@ -73,7 +74,9 @@ class _Transfer:
     remote_req: str  # the producer's req_id
     xfers: list[Any]
     deadline: float
+    nbytes: int  # what lands in this engine's pages
     push: bool = False
+    read_sent: bool = False  # pull: the READs are done and `read` went out
     result: tuple[bool, str | None] | None = None  # set by `read_ack` or `pushed`
 
 
@@ -125,7 +128,7 @@ class NixlConnector:
             self.server = HandshakeServer(info, self._check_peer, config.host, config.port)
         # producer
         self.leases: dict[str, float] = {}  # req_id -> deadline
-        self.held: dict[str, tuple[tuple[int, ...], ...]] = {}  # req_id -> held block tables
+        self.held: dict[str, tuple[tuple[tuple[int, ...], ...], int]] = {}  # (tables, tokens)
         self.consumer_layouts: dict[str, list[RankLayout]] = {}  # decode agents that joined
         self.consumers: dict[str, _Peer] = {}  # decode agent name -> plans (after a push)
         self.pushes: dict[str, _Push] = {}
@@ -135,6 +138,7 @@ class NixlConnector:
         self.pulls: dict[str, _Transfer] = {}
         self._next_keep = 0.0
         self.bytes_moved = 0  # posted by this engine (READs as consumer, WRITEs as producer)
+        self.bytes_received = 0  # landed in this engine's pages by completed transfers
         self.failures = 0
 
     # -- producer ---------------------------------------------------------------------------
@@ -164,7 +168,7 @@ class NixlConnector:
         """Transfer parameters for the decode side; starts the request's lease."""
         assert self.server is not None, "not a kv_producer"
         self.leases[req_id] = time.monotonic() + self.config.lease_s
-        self.held[req_id] = tables
+        self.held[req_id] = (tables, num_tokens)
         return {
             "req_id": req_id,
             "engine_id": self.engine_id,
@@ -202,39 +206,45 @@ class NixlConnector:
             self.held.pop(req_id, None)
             self._released.append(req_id)
 
-    def _start_push(self, agent: str, req_id: str, dst: str, tables: list[list[int]]) -> None:
+    def _start_push(self, agent: str, req_id: str, dst: str, note: dict[str, Any]) -> None:
         """Post the WRITEs of a `push` request (decode req_id `dst`) into decode agent
-        `agent`'s pages."""
+        `agent`'s pages: its `tables`, from token `fill[g]` of each group to `tokens`."""
         if agent not in self.consumers and agent in self.consumer_layouts:  # first push
             mine = dict(enumerate(self.layouts))
             layouts = self.consumer_layouts[agent]
             self.consumers[agent] = self._plan_peer(agent, layouts, mine, push=True)
         peer = self.consumers.get(agent)
-        mine = self.held.get(req_id)
-        if peer is None or mine is None or req_id in self.pushes:
+        held = self.held.get(req_id)
+        if peer is None or held is None or req_id in self.pushes:
             why = (
                 "unknown decode engine"
                 if peer is None
                 else "no held pages (lease over?)"
-                if mine is None
+                if held is None
                 else "already pushing"
             )
             self.failures += 1
-            self.transport.notify(agent, encode_note("pushed", dst, ok=False, error=why))
+            with contextlib.suppress(Exception):  # a decode engine that is gone: its timeout
+                self.transport.notify(agent, encode_note("pushed", dst, ok=False, error=why))
             return
+        mine, num_tokens = held
         xfers: list[Any] = []
         try:
+            tokens = note.get("tokens")
+            if type(tokens) is not int or not 0 <= tokens <= num_tokens:
+                raise ValueError(f"tokens {tokens!r}: this engine holds {num_tokens}")
+            posts = []
             for r, (plan, handles) in enumerate(zip(peer.plans, peer.handles, strict=True)):
                 for s, (read, (decode_h, mine_h)) in enumerate(
                     zip(plan.reads, handles, strict=True)
                 ):
-                    decode_ids, my_ids = read.descriptor_ids(tables, mine)
+                    decode_ids, my_ids = read.span_ids(note["tables"], mine, note["fill"], tokens)
                     if decode_ids:
-                        xfers.append(
-                            self.transport.start("WRITE", mine_h, my_ids, decode_h, decode_ids)
-                        )
+                        posts.append((mine_h, my_ids, decode_h, decode_ids))
                         self.bytes_moved += peer.nbytes(r, s, decode_ids)
-        except (TransferError, ValueError) as err:
+            for mine_h, my_ids, decode_h, decode_ids in posts:
+                xfers.append(self.transport.start("WRITE", mine_h, my_ids, decode_h, decode_ids))
+        except (TransferError, ValueError, TypeError, KeyError, IndexError) as err:
             for xfer in xfers:
                 self.transport.release(xfer)
             self._finish_push(req_id, agent, dst, f"cannot post the WRITEs: {err}")
@@ -271,10 +281,12 @@ class NixlConnector:
                 elif op == "keep" and isinstance(note.get("reqs"), list):
                     until = time.monotonic() + self.config.lease_s
                     for held in note["reqs"]:
-                        if held in self.leases:
+                        if isinstance(held, str) and held in self.leases:
                             self.leases[held] = max(self.leases[held], until)
-                elif op == "push" and isinstance(note.get("tables"), list):
-                    self._start_push(agent, req_id, str(note.get("dst")), note["tables"])
+                elif op == "push":
+                    self._start_push(agent, req_id, str(note.get("dst")), note)
+                elif op == "release" and req_id not in self.pushes:
+                    self._release(req_id)
                 elif op in ("pushed", "read_ack") and req_id in self.pulls:
                     ok = bool(note.get("ok"))
                     self.pulls[req_id].result = (ok, None if ok else str(note.get("error")))
@@ -322,32 +334,53 @@ class NixlConnector:
             self.peers[key] = self._plan_peer(agent, self.layouts, remote, push=False)
         return self.peers[key]
 
-    def start_transfer(
-        self, req_id: str, params: dict[str, Any], local_tables: tuple[tuple[int, ...], ...]
-    ) -> None:
-        """Fill `local_tables` from the producer's pages: post the READs (pull) or ask the
-        producer to WRITE them (push)."""
+    def start_transfer(self, req_id: str, params: dict[str, Any], slots: RemoteSlots) -> None:
+        """Fill the pages `slots` names (from token `slots.fill_from[g]` of each group) from
+        the producer's pages: post the READs (pull) or ask the producer to WRITE them (push).
+        Raises (nothing posted) on a producer that cannot be reached or whose parameters do
+        not fit its layout."""
         key = (params["host"], int(params["port"]))
         peer = self._peer(*key)
         deadline = time.monotonic() + self.config.transfer_timeout_s
         remote_req = str(params.get("req_id", req_id))
-        if self.config.transfer_mode == "push":
-            tables = [list(t) for t in local_tables]
-            note = encode_note("push", remote_req, dst=req_id, tables=tables)
-            self.transport.notify(peer.agent, note)
-            self.pulls[req_id] = _Transfer(key, remote_req, [], deadline, push=True)
-            return
-        remote_tables = [list(t) for t in params["block_tables"]]
-        xfers = []
+        fill, tokens = list(slots.fill_from), slots.num_tokens
+        posts, nbytes = [], 0
         for r, (plan, handles) in enumerate(zip(peer.plans, peer.handles, strict=True)):
             for s, (read, (local_h, remote_h)) in enumerate(zip(plan.reads, handles, strict=True)):
-                local_ids, remote_ids = read.descriptor_ids(local_tables, remote_tables)
+                local_ids, remote_ids = read.span_ids(
+                    slots.block_tables, params["block_tables"], fill, tokens
+                )
                 if local_ids:
-                    xfers.append(
-                        self.transport.start("READ", local_h, local_ids, remote_h, remote_ids)
-                    )
-                    self.bytes_moved += peer.nbytes(r, s, local_ids)
-        self.pulls[req_id] = _Transfer(key, remote_req, xfers, deadline)
+                    posts.append((local_h, local_ids, remote_h, remote_ids))
+                    nbytes += peer.nbytes(r, s, local_ids)
+        if self.config.transfer_mode == "push":
+            tables = [list(t) for t in slots.block_tables]
+            note = encode_note(
+                "push", remote_req, dst=req_id, tables=tables, fill=fill, tokens=tokens
+            )
+            self.transport.notify(peer.agent, note)
+            self.pulls[req_id] = _Transfer(key, remote_req, [], deadline, nbytes, push=True)
+            return
+        xfers = []
+        try:
+            for local_h, local_ids, remote_h, remote_ids in posts:
+                xfers.append(self.transport.start("READ", local_h, local_ids, remote_h, remote_ids))
+        except TransferError:
+            for xfer in xfers:
+                self.transport.release(xfer)
+            raise
+        self.bytes_moved += nbytes
+        self.pulls[req_id] = _Transfer(key, remote_req, xfers, deadline, nbytes)
+
+    def release_remote(self, params: dict[str, Any]) -> None:
+        """Tell a producer that its held pages of a request will not be read (the decode side
+        gave the request up: aborted, waited too long for pages, or its transfer failed), so
+        that it frees them now rather than at the end of the lease. Best effort."""
+        with contextlib.suppress(Exception):  # an unreachable producer: its lease decides
+            key = (params["host"], int(params["port"]))
+            self.transport.notify(
+                self._peer(*key).agent, encode_note("release", str(params["req_id"]))
+            )
 
     def keep_alive(self, waiting: list[dict[str, Any]]) -> None:
         """Every `lease_s / 4` (the producer's lease, from its params), renew the leases of
@@ -379,13 +412,14 @@ class NixlConnector:
                 ok, reason = pull.result
                 what = "push" if pull.push else "transfer"
                 finished.append((req_id, ok, None if ok else f"{what} failed: {reason}"))
+                self.bytes_received += pull.nbytes if ok else 0
                 self._drop(req_id)
                 continue
             if pull.deadline < now:
                 finished.append((req_id, False, f"{'push' if pull.push else 'transfer'} timed out"))
                 self._drop(req_id)
                 continue
-            if pull.push or not pull.xfers:
+            if pull.push or pull.read_sent:
                 continue
             try:
                 done = all(self.transport.poll(x) == "DONE" for x in pull.xfers)
@@ -396,7 +430,7 @@ class NixlConnector:
             if done:  # the READs are in; ask the producer whether it held the pages throughout
                 for xfer in pull.xfers:
                     self.transport.release(xfer)
-                pull.xfers = []
+                pull.xfers, pull.read_sent = [], True
                 note = encode_note("read", pull.remote_req, dst=req_id)
                 self.transport.notify(self.peers[pull.peer].agent, note)
         self.failures += sum(1 for _, ok, _ in finished if not ok)

@@ -9,7 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from hybridserve.config import SchedulerConfig
-from hybridserve.core.outputs import SchedulerOutput
+from hybridserve.core.outputs import RemoteSlots, SchedulerOutput
 from hybridserve.core.request import Request
 from hybridserve.kv_spec import (
     CacheGroup,
@@ -135,6 +135,20 @@ class ContentRunner:
                 page = self.tokens.setdefault(table[q // b], [None] * b)
                 page[q % b] = token
 
+    def transfer(self, slots: RemoteSlots, prompt: list[int]) -> None:
+        """A P/D transfer as the connector makes it: every attention group's pages get the
+        prompt's tokens [fill_from[g], num_tokens) (the rest of each page keeps whatever it
+        held: garbage from earlier owners, or shared prefix pages), every Mamba page the state
+        after `num_tokens` tokens."""
+        b, n = self.block, slots.num_tokens
+        for g, (table, first) in enumerate(zip(slots.block_tables, slots.fill_from, strict=True)):
+            if self.kinds[g] == "mamba":
+                self.states[table[0]] = tuple(prompt[:n])
+                continue
+            for q in range(first, n):
+                assert table[q // b] != 0, f"group {g}: the transfer fills the null page"
+                self.tokens.setdefault(table[q // b], [None] * b)[q % b] = prompt[q]
+
 
 def run_step(scheduler: Scheduler, runner: ContentRunner):
     """schedule -> fake runner -> update; returns (output, finished)."""
@@ -152,8 +166,9 @@ def check_invariants(scheduler: Scheduler) -> None:
     group_of: dict[int, int] = {}
     holders: dict[int, set[str]] = {}
     with_pages = {r for r in scheduler.requests if coord.has_pages(r)}
-    assert with_pages == {r.req_id for r in scheduler.running}
-    for request in scheduler.running:
+    parked = [scheduler.requests[r] for r in scheduler.remote]
+    assert with_pages == {r.req_id for r in scheduler.running} | set(scheduler.remote)
+    for request in scheduler.running + parked:
         tables = coord.block_tables(request)
         mine = [p for t in tables for p in t if p != 0]
         assert len(mine) == len(set(mine)), f"{request.req_id} holds a page twice"

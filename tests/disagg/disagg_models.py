@@ -7,7 +7,7 @@ from hybridserve.disagg.descriptors import RankLayout
 from hybridserve.kv_spec import CachePlan, layer_specs, plan_cache
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
-KINDS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+KINDS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp", "S": "sliding_attention"}
 
 
 def nano_config() -> ModelConfig:
@@ -33,8 +33,10 @@ def tiny_config(
     pattern: str = "M*MM*M",
     mamba_heads: int = 4,
     conv_kernel: int = 3,
+    window: int | None = None,
 ) -> ModelConfig:
-    """A small hybrid: 4 q heads of 2, Mamba2 heads of 2, state 2 (pattern letters as Nano)."""
+    """A small hybrid: 4 q heads of 2, Mamba2 heads of 2, state 2 (pattern letters as Nano, S:
+    sliding-window attention over `window` tokens)."""
     has = set(pattern)
     return ModelConfig(
         architecture="NemotronHForCausalLM",
@@ -42,8 +44,10 @@ def tiny_config(
         hidden_size=8,
         layer_types=tuple(KINDS[c] for c in pattern),
         norm_eps=1e-5,
-        attention=AttentionConfig(num_heads=4, num_kv_heads=kv_heads, head_dim=2)
-        if "*" in has
+        attention=AttentionConfig(
+            num_heads=4, num_kv_heads=kv_heads, head_dim=2, sliding_window=window
+        )
+        if has & {"*", "S"}
         else None,
         mamba=MambaConfig(
             num_heads=mamba_heads,

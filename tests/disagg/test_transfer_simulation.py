@@ -42,7 +42,9 @@ def memory(
     ids: list[list[int]],
     tp: int,
 ) -> dict[int, tuple]:
-    """address -> label of every byte of this rank's pages listed in `ids` (per group)."""
+    """address -> label of every byte of this rank's pages listed in `ids` (per group, whole
+    tables: entry j of an attention table holds the request's kernel blocks j*ratio..; the
+    null page is left unlabelled, so reading it fails the simulation)."""
     mem: dict[int, tuple] = {}
     page, ratio = plan.page_size_bytes, plan.ratio
     for g, group in enumerate(plan.groups):
@@ -53,8 +55,12 @@ def memory(
             else:
                 heads = rank_units(cfg.attention.num_kv_heads, tp, rank)
                 row = spec.head_dim * DTYPE_BYTES[spec.dtype]
+                # kernel block n of the request (tokens [n*KB, (n+1)*KB)) is table entry
+                # n // ratio; the null page (a freed window page) holds nothing
                 kids = [p * ratio + j for p in ids[g] for j in range(ratio)]
                 for n, kid in enumerate(kids):
+                    if kid < ratio:
+                        continue
                     for kv, h, s in itertools.product(range(2), range(len(heads)), range(KB)):
                         r = ((kid * 2 + kv) * len(heads) + h) * KB + s
                         for e in range(row):
