@@ -206,7 +206,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         '\'{"kv_connector":"NixlConnector","kv_role":"kv_producer"}\' (kv_producer: prefill, '
         "kv_consumer: decode, kv_both); other keys: engine_id, host, port, lease_s, "
         "transfer_timeout_s, handshake_timeout_s, wait_timeout_s, failure_policy, transfer_mode, "
-        "nixl_threads; unknown keys are an error",
+        "nixl_threads, nixl_progress_delay_us; unknown keys are an error",
     )
     p.add_argument(
         "--max-queue",

@@ -264,6 +264,9 @@ class KVTransferConfig:
     what a decode request does when its transfer fails: "recompute" locally or "fail".
     `transfer_mode` (decode side): "pull" (the decode engine READs) or "push" (it asks the
     prefill engine to WRITE). `nixl_threads`: worker threads of NIXL's UCX backend (0: none).
+    `nixl_progress_delay_us`: the pause of the NIXL agent's progress thread between passes
+    (None: 0 on GPUs, where it spins as vLLM's does; 200 on host memory, where a spinning
+    thread takes a whole core of the machine per agent).
     `wait_timeout_s` (decode side): how long a request may wait for cache pages or a seat
     before its transfer starts; past it the request recomputes locally or fails (per
     `failure_policy`) and the prefill engine is told to free its pages.
@@ -281,6 +284,7 @@ class KVTransferConfig:
     failure_policy: str = "recompute"
     transfer_mode: str = "pull"
     nixl_threads: int = 0
+    nixl_progress_delay_us: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.kv_role in KV_ROLES, f"kv_role must be one of {KV_ROLES}: {self.kv_role!r}")
@@ -297,6 +301,10 @@ class KVTransferConfig:
             f"transfer_mode must be 'pull' or 'push': {self.transfer_mode!r}",
         )
         _require(self.nixl_threads >= 0, f"nixl_threads must be >= 0: {self.nixl_threads}")
+        _require(
+            self.nixl_progress_delay_us is None or self.nixl_progress_delay_us >= 0,
+            f"nixl_progress_delay_us must be >= 0: {self.nixl_progress_delay_us}",
+        )
         _require(
             self.lease_s > 0 and self.transfer_timeout_s > 0 and self.wait_timeout_s > 0,
             "timeouts must be > 0",

@@ -110,11 +110,13 @@ class NixlConnector:
             for r, rank in enumerate(buffers)
         ]
         mem = "VRAM" if next(iter(runner.regions[0].devices())).platform == "gpu" else "DRAM"
+        delay = config.nixl_progress_delay_us
         self.transport = NixlTransport(
             self.engine_id,
             [b for rank in buffers for b in rank],
             mem,
             num_threads=config.nixl_threads,
+            progress_delay_us=(0 if mem == "VRAM" else 200) if delay is None else delay,
         )
         self.server: HandshakeServer | None = None
         self._joined: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()

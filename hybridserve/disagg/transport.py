@@ -20,6 +20,7 @@ Lifecycle:
 from __future__ import annotations
 
 import importlib
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -46,6 +47,39 @@ def import_nixl() -> ModuleType:
     )
 
 
+_CONFIG_LOCK = threading.Lock()
+
+
+def _make_agent(api: ModuleType, name: str, config: Any, delay_us: int) -> Any:
+    """`api.nixl_agent(name, config)` whose progress thread pauses `delay_us` between passes.
+
+    The Python bindings hard-code the pause (`nixlAgentConfig.pthrDelay`) to 0: the thread then
+    spins, a whole core per agent (four agents of one process took two cores here). The agent
+    is built while the bindings' config class is swapped for a subclass whose `pthrDelay` keeps
+    at least `delay_us` (under a lock: only this module builds agents); bindings without that
+    field build the agent as they are."""
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if delay_us <= 0 or base is None or not isinstance(vars(base).get("pthrDelay"), property):
+        return api.nixl_agent(name, config)
+
+    class Paused(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (the bindings' name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, max(int(value), delay_us))
+
+    with _CONFIG_LOCK:
+        bind.nixlAgentConfig = Paused
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = base
+
+
 class NixlTransport:
     """One NIXL agent over a fixed set of buffers (see the module docstring).
 
@@ -55,6 +89,8 @@ class NixlTransport:
       mem_type: "DRAM" for host memory, "VRAM" for GPU memory.
       num_threads: worker threads of the UCX backend that share a transfer's descriptors
         (0: the calling thread posts them all).
+      progress_delay_us: the pause of the agent's progress thread between passes (0: it
+        spins, one whole core per agent; `_make_agent`).
     """
 
     def __init__(
@@ -63,12 +99,13 @@ class NixlTransport:
         buffers: list[tuple[int, int, int]],
         mem_type: str = "DRAM",
         num_threads: int = 0,
+        progress_delay_us: int = 0,
     ) -> None:
         api = import_nixl()
         self.name, self.mem_type = name, mem_type
         try:
             config = api.nixl_agent_config(backends=["UCX"], num_threads=num_threads)
-            self.agent = api.nixl_agent(name, config)
+            self.agent = _make_agent(api, name, config, progress_delay_us)
         except Exception as err:  # the bindings raise plain Exceptions
             raise TransferError(
                 f"cannot start a NIXL agent with UCX: {err} (UCX needs `tcp` "

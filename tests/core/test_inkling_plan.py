@@ -35,8 +35,10 @@ import functools
 
 import pytest
 
+from hybridserve.config import SchedulerConfig
 from hybridserve.core.cache_manager import CacheCoordinator, cdiv
 from hybridserve.core.request import Request
+from hybridserve.core.scheduler import Scheduler
 from hybridserve.kv_spec import (
     FullAttentionSpec,
     SconvSpec,
@@ -177,6 +179,42 @@ def test_pages_for_counts_what_a_1m_request_holds():
     coord = CacheCoordinator(plan(8), 2, enable_prefix_caching=False)
     assert coord.pages_for(CONTEXT, 256) == 65_536 + 5 * 273 + 54 * 18
     assert coord.pages_for(CONTEXT) == 60 * 65_536  # steps of any size: every page may be held
+
+
+def colocated_held(p, n: int, pool: int) -> list[int]:
+    """Pages per group a colocated engine holds at a request's first decode step: the prompt
+    but its last token prefilled in CHUNK steps, then one token (the real cache manager)."""
+    coord = CacheCoordinator(p, pool, enable_prefix_caching=False)
+    request = Request("c", [1] * (n + 1), 1)
+    while request.num_computed_tokens < n:
+        step = min(CHUNK, n - request.num_computed_tokens)
+        assert coord.allocate_slots(request, step)
+        request.num_computed_tokens += step
+    assert coord.allocate_slots(request, 1)
+    return [len(t) - t.count(0) for t in coord.block_tables(request)]
+
+
+@pytest.mark.parametrize("n", [20_000, 100_000, 500_000])
+def test_pd_admission_of_long_prompts_at_tp8(n):
+    # The decode side of P/D admits a prompt whose first n tokens the prefill engine computed
+    # into the engine's minimum pool for max_model_len 1M (what `LLMEngine` requires:
+    # `pages_for(max_model_len, max_prefill_chunk)`), holding per group at most one page more
+    # than a colocated engine at the same point (window groups: their window, not n tokens).
+    p = plan(8)
+    pool = CacheCoordinator(p, 2).pages_for(CONTEXT, CHUNK)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, max_prefill_chunk=CHUNK, max_model_len=CONTEXT
+    )
+    s = Scheduler(p, pool, config)
+    tokens = [(7 * i) % 50_000 for i in range(n + 1)]
+    slots = s.add_remote_request(Request("d", tokens, 16), n)
+    assert slots is not None
+    held = [len(t) - t.count(0) for t in slots.block_tables]
+    colocated = colocated_held(p, n, pool)
+    assert all(h <= c + 1 for h, c in zip(held, colocated, strict=True)), (held, colocated)
+    assert s.coordinator.pool.num_used == sum(held) <= sum(colocated) + len(held)
+    by_kind = {kind(g): h for g, h in zip(p.groups, held, strict=True)}
+    assert by_kind == {"full": cdiv(n + 1, BLOCK), "sliding": 257, "sconv": 1 + (n % 16 < 3)}
 
 
 def test_param_counts():
