@@ -2,9 +2,12 @@
 
     {"op": "read",     "req": prefill req_id, "dst": decode req_id}   decode -> prefill
     {"op": "read_ack", "req": decode req_id, "ok": bool, "error": str | None}
-    {"op": "push",     "req": prefill req_id, "dst": decode req_id, "tables": [[page, ...], ...]}
-    {"op": "pushed",   "req": decode req_id, "ok": bool, "error": str | None}
+    {"op": "push",     "req": prefill req_id, "dst": decode req_id,   decode -> prefill
+                       "tables": [[page, ...], ...], "fill": [token, ...], "tokens": int}
+    {"op": "pushed",   "req": decode req_id, "ok": bool, "error": str | None,
+                       "part": int, "parts": int}    carried by WRITE `part` of `parts` when ok
     {"op": "keep",     "req": "", "reqs": [prefill req_id, ...]}       decode -> prefill
+    {"op": "release",  "req": prefill req_id}   decode -> prefill: the request was given up
 
 A message that is not a msgpack map with a string "req", or is over `MAX_NOTE` bytes, is
 ignored by `decode_note` (a peer cannot crash a worker with a notification).

@@ -52,6 +52,9 @@ def check_params(params: dict[str, Any], num_prompt_tokens: int) -> None:
         raise ValueError("kv_transfer_params: host (a string) and port (an integer) are needed")
     if not isinstance(params.get("req_id", ""), str):
         raise ValueError("kv_transfer_params: req_id must be a string")
+    lease = params.get("lease_s", 1.0)
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease > 0:
+        raise ValueError("kv_transfer_params: lease_s must be a positive number")
 
 
 class RemoteRequests:

@@ -257,17 +257,24 @@ def write_mamba(
     raw = jnp.concatenate([*conv, to_raw(split_tp(ssm, 1, tp), acc.ssm_dtype, 1)], axis=-1)
     tp, _, width = region.shape
     raw = jnp.pad(raw, ((0, 0), (0, 0), (0, page_rows * width - raw.shape[-1])))
-    pages_view = region.reshape(tp, -1, page_rows * width)  # [tp, pages, page bytes]: free
-    # one scatter for all rows, in place (the region is donated); padding rows all write the
-    # null page, whose content is never read
-    pages_view = pages_view.at[:, pages].set(raw, mode=IN_BOUNDS)
-    return pages_view.reshape(region.shape)
+    # one scatter of whole page rows for all requests, on the region in its own shape: XLA
+    # updates the donated buffer in place (through a reshaped view it copies the whole region
+    # first, every step, and bytes a P/D transfer writes meanwhile are lost). Padding rows
+    # all write the null page, whose content is never read.
+    rows = raw.reshape(tp, -1, page_rows, width)
+    return region.at[:, _page_rows(pages, page_rows)].set(rows, mode=IN_BOUNDS)
+
+
+def _page_rows(pages: jax.Array, page_rows: int) -> jax.Array:
+    """The region rows of pages `pages` ([B]): [B, page_rows]."""
+    return pages[:, None] * page_rows + jnp.arange(page_rows, dtype=pages.dtype)[None, :]
 
 
 def _read_pages(region: jax.Array, pages: jax.Array, page_rows: int) -> jax.Array:
     """Pages `pages` ([B]) of a region as [tp, B, page_bytes], in one gather."""
     tp, _, width = region.shape
-    return region.reshape(tp, -1, page_rows * width).at[:, pages].get(mode=IN_BOUNDS)
+    rows = region.at[:, _page_rows(pages, page_rows)].get(mode=IN_BOUNDS)
+    return rows.reshape(tp, pages.shape[0], page_rows * width)
 
 
 def _ssm_bytes(acc: MambaAccess) -> int:

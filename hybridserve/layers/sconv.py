@@ -53,16 +53,11 @@ class ShortConv(nnx.Module):
         u = u.astype(accs[0].dtype).astype(u.dtype)  # as later steps will read it back
         b, t, c = u.shape
         rows = self.width - 1
-        prev = inputs.positions[:, :1] - rows + jnp.arange(rows)[None, :]  # [B, W-1]
-        prev_valid = (prev >= 0) & (inputs.lengths[:, None] > 0)
-        state = []
-        for acc in accs:
-            k, v = read_kv(regions[acc.region], acc, tp, inputs.tables[acc.group], prev, prev_valid)
-            state += [k.reshape(b, rows, -1), v.reshape(b, rows, -1)]
-        state = jnp.concatenate(state, axis=-1)[..., :c].astype(u.dtype)  # [B, W-1, C]
-        weight = self.weight[...]
-        bias = None if self.bias is None else self.bias[...]
-        y, _ = self.ops.causal_conv1d(u, state, weight, bias, inputs.lengths, None, "SD")
+        # Write the new inputs first, then read the W-1 earlier ones (positions before the
+        # chunk: the write does not touch them). In this order the read depends on the write
+        # and XLA updates the donated region in place; a read of the old region followed by an
+        # independent write makes it copy the whole buffer instead (every step, and bytes a
+        # P/D transfer writes into the region meanwhile are lost when the copy is written back).
         acc0 = accs[0]
         width = 2 * acc0.kv_heads * acc0.head_dim
         padded = jnp.pad(u, ((0, 0), (0, 0), (0, len(accs) * width - c)))
@@ -78,4 +73,14 @@ class ShortConv(nnx.Module):
                 halves[:, :, i, 0].astype(acc.dtype),
                 halves[:, :, i, 1].astype(acc.dtype),
             )
+        prev = inputs.positions[:, :1] - rows + jnp.arange(rows)[None, :]  # [B, W-1]
+        prev_valid = (prev >= 0) & (inputs.lengths[:, None] > 0)
+        state = []
+        for acc in accs:
+            k, v = read_kv(regions[acc.region], acc, tp, inputs.tables[acc.group], prev, prev_valid)
+            state += [k.reshape(b, rows, -1), v.reshape(b, rows, -1)]
+        state = jnp.concatenate(state, axis=-1)[..., :c].astype(u.dtype)  # [B, W-1, C]
+        weight = self.weight[...]
+        bias = None if self.bias is None else self.bias[...]
+        y, _ = self.ops.causal_conv1d(u, state, weight, bias, inputs.lengths, None, "SD")
         return y

@@ -176,7 +176,7 @@ def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
     )
     params = out.kv_transfer_params
     assert params["lease_s"] == lease
-    leases = prefill.engine.connector.leases
+    leases = prefill.engine.connector.producer.leases
     first = leases[params["req_id"]]  # the deadline, in time.monotonic() seconds
     time.sleep(0.5)
     decode.engine.connector.keep_alive([params])  # a request still waiting for decode pages

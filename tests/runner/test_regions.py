@@ -91,3 +91,57 @@ def test_region_addresses_fixed_across_steps(hf_checkpoint):
         runner.execute(SchedulerOutput((ScheduledChunk("a", (7,), 20 + step, tables, True),)))
     jax.block_until_ready(runner.regions)
     assert runner.region_addresses() == before
+
+
+def _region_copies(hlo: str, region_bytes: int) -> list[str]:
+    """The `copy` instructions of a compiled program whose result is as large as a region."""
+    out = []
+    for line in hlo.splitlines():
+        if " copy(" not in line or "=" not in line:
+            continue
+        shape = line.split("=", 1)[1].strip().split("{", 1)[0]  # e.g. u8[1,321,12288]
+        if shape.startswith("u8[") and shape.endswith("]"):
+            dims = [int(d) for d in shape[3:-1].split(",") if d]
+            if int(np.prod(dims)) == region_bytes:
+                out.append(line.strip()[:120])
+    return out
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "inkling"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_steps_update_the_regions_in_place(hf_checkpoint, tmp_path, family, tp):
+    """No compiled step copies a whole region (prefill chunks, decode steps, a page copy): the
+    step writes exactly the rows it owns, so bytes a P/D transfer writes into other pages of
+    the region while the step runs survive it. (A read of the old region followed by an
+    independent write, or a scatter through a reshaped view, made XLA copy the whole buffer
+    and write it back at the end: transferred pages were lost under load.)"""
+    from hybridserve.config import CacheConfig
+    from hybridserve.runner.factory import make_runner
+    from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
+
+    if family == "inkling":
+        cfg = tiny_inkling()
+        path = save_inkling(build_inkling(cfg, seed=1), cfg, tmp_path / "m")
+    else:
+        path = str(hf_checkpoint(family)[0])
+    runner = make_runner(
+        path, dtype="float32", tp=tp, cache=CacheConfig(num_pages=96), max_model_len=64
+    )
+    compiled: list[str] = []
+    step = runner._step
+
+    def spy(*args, **kwargs):
+        compiled.append(step.lower(*args, **kwargs).compile().as_text())
+        return step(*args, **kwargs)
+
+    runner._step = spy
+    tables = runner.scratch_tables(40)
+    prompt = tuple(range(3, 23))
+    runner.execute(
+        SchedulerOutput((ScheduledChunk("a", prompt, 0, tables, True),), page_copies=((5, 9),))
+    )
+    runner.execute(SchedulerOutput((ScheduledChunk("a", (7,), 20, tables, True),)))
+    region_bytes = runner.regions[0].size // tp  # one rank's shard
+    assert len(compiled) == 2
+    for hlo in compiled:
+        assert not _region_copies(hlo, region_bytes)
