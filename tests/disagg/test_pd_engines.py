@@ -204,3 +204,35 @@ def test_close_releases_the_agent_and_the_handshake_server(hf_checkpoint):
     assert handshakes() == before[1]
     assert native() <= opened[0] - 2  # the agent's progress thread and the handshake thread
     llm.close()  # idempotent
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_side_prefix_reuse_takes_the_mamba_state_from_the_transfer(hf_checkpoint, mode):
+    """A Mamba hybrid: a second P/D request sharing 2 prefix units with a first one shares the
+    decode engine's cached attention pages of those units (no Mamba snapshot is needed there:
+    the transfer brings the state after the whole prompt), receives fewer bytes, and gives the
+    colocated tokens."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    prefill = _llm(directory, 1, "kv_producer")
+    decode = _llm(directory, 1, "kv_consumer", mode)
+    coord = decode.engine.scheduler.coordinator
+    unit, size = coord.unit, coord.block_size
+    assert coord.mamba and unit == size  # whole pages: the hit is all shared
+    rng = np.random.default_rng(9)
+    first = rng.integers(3, 512, 2 * unit + 14).tolist()
+    second = first[: 2 * unit] + rng.integers(3, 512, 14).tolist()
+    colocated = [
+        o.outputs[0].token_ids
+        for o in _llm(directory).generate(
+            [{"prompt_token_ids": p} for p in (first, second)], GREEDY, use_tqdm=False
+        )
+    ]
+    stats = decode.engine.stats
+    assert _pd_generate(prefill, decode, [first], GREEDY) == colocated[:1]
+    alone = stats()["transfer_bytes_received"]
+    assert _pd_generate(prefill, decode, [second], GREEDY) == colocated[1:]
+    assert stats()["prefix_cache_hit_tokens"] == 2 * unit
+    assert 0 < stats()["transfer_bytes_received"] - alone < alone
+    for engine in (prefill.engine, decode.engine):
+        assert engine.scheduler.coordinator.pool.num_used == 0
+    assert stats()["transfer_failures"] == 0

@@ -27,7 +27,13 @@ import pytest
 
 from hybridserve import LLM
 from hybridserve.config import KVTransferConfig, MtpConfig
-from tests.disagg.test_pd_engines import GREEDY, _llm, _pd_generate, close_engines  # noqa: F401
+from tests.disagg.test_pd_engines import (  # noqa: F401
+    GREEDY,
+    _llm,
+    _pd_generate,
+    _serving,
+    close_engines,
+)
 from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
 
 CHUNK = 32  # the prefill engine's max_prefill_chunk
@@ -53,9 +59,9 @@ def engines(ckpt):
             if name == "cold":
                 made[key] = LLM(ckpt, enable_prefix_caching=False, **COMMON)
             else:
-                role = {"prefill": "kv_producer", "decode": "kv_consumer"}[name]
-                config = KVTransferConfig(kv_role=role, **{"lease_s": 600.0, **kv})
-                chunk = CHUNK if name == "prefill" else 256
+                role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+                config = KVTransferConfig(kv_role=role[name], **{"lease_s": 600.0, **kv})
+                chunk = 256 if name == "decode" else CHUNK
                 made[key] = LLM(
                     ckpt,
                     tensor_parallel_size=tp,
@@ -168,6 +174,38 @@ def test_a_request_waiting_past_its_deadline_is_given_up_on_both_sides(engines, 
         assert result["pd-0"] == greedy(cold, prompts[:1])[0]
     assert engine.scheduler.coordinator.pool.num_used == 0
     assert not engine.remote.waiting and not engine.scheduler.requests
+
+
+def test_kv_both_engines_and_a_failed_transfer_register_only_valid_units(engines):
+    # Two kv_both engines, one prefilling (chunks of 32) and one decoding. The second transfer
+    # fails (its lease ended before the read: the prefill engine refuses it), so the decode
+    # engine recomputes that prompt locally. Afterwards plain requests on the decode engine that
+    # share prefixes of both prompts give the cold tokens.
+    a, b = engines("both", engine_id="both-a"), engines("both", engine_id="both-b")
+    cold = engines("cold")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(10, 4000, n).tolist() for n in (75, 88)]
+    expected = greedy(cold, prompts)
+    assert _pd_generate(a, b, prompts[:1], GREEDY) == expected[:1]
+    (out,) = a.generate(
+        [{"prompt_token_ids": prompts[1], "kv_transfer_params": {"do_remote_decode": True}}],
+        GREEDY,
+        use_tqdm=False,
+    )
+    a.engine.connector.producer.leases[out.kv_transfer_params["req_id"]] = 0.0  # it ended
+    a.engine.poll_transfers()
+    assert not a.engine.scheduler.held
+    failures = b.engine.stats()["transfer_failures"]
+    handed = [{"prompt_token_ids": prompts[1], "kv_transfer_params": out.kv_transfer_params}]
+    with _serving(a):
+        (result,) = b.generate(handed, GREEDY, use_tqdm=False)
+    assert result.outputs[0].token_ids == expected[1]  # recomputed locally
+    assert b.engine.stats()["transfer_failures"] == failures + 1
+    plain = [p[: len(p) // 2] + [7, 8, 9] for p in prompts]
+    plain += [p + out[:8] + [11, 12] for p, out in zip(prompts, expected, strict=True)]
+    assert greedy(b, plain) == greedy(cold, plain)
+    for engine in (a.engine, b.engine):
+        assert engine.scheduler.coordinator.pool.num_used == 0
 
 
 def test_inkling_pd_with_mtp_speculation_matches_colocated(tmp_path):

@@ -3,6 +3,9 @@ bytes; region buffers keep their addresses across jitted steps."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,9 @@ from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 from hybridserve.kv_spec import layer_specs, plan_cache
 from hybridserve.layers.cache_view import from_raw, kv_pages, read_mamba, write_mamba
 from hybridserve.runner.model_runner import build_layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from check_region_copies import region_copies  # noqa: E402
 
 CFG = ModelConfig(
     architecture="nemotron_h", vocab_size=64, hidden_size=32,
@@ -93,20 +99,6 @@ def test_region_addresses_fixed_across_steps(hf_checkpoint):
     assert runner.region_addresses() == before
 
 
-def _region_copies(hlo: str, region_bytes: int) -> list[str]:
-    """The `copy` instructions of a compiled program whose result is as large as a region."""
-    out = []
-    for line in hlo.splitlines():
-        if " copy(" not in line or "=" not in line:
-            continue
-        shape = line.split("=", 1)[1].strip().split("{", 1)[0]  # e.g. u8[1,321,12288]
-        if shape.startswith("u8[") and shape.endswith("]"):
-            dims = [int(d) for d in shape[3:-1].split(",") if d]
-            if int(np.prod(dims)) == region_bytes:
-                out.append(line.strip()[:120])
-    return out
-
-
 @pytest.mark.parametrize("family", ["nemotron_h", "inkling"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_steps_update_the_regions_in_place(hf_checkpoint, tmp_path, family, tp):
@@ -144,4 +136,4 @@ def test_steps_update_the_regions_in_place(hf_checkpoint, tmp_path, family, tp):
     region_bytes = runner.regions[0].size // tp  # one rank's shard
     assert len(compiled) == 2
     for hlo in compiled:
-        assert not _region_copies(hlo, region_bytes)
+        assert not region_copies(hlo, region_bytes)
