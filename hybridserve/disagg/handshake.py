@@ -85,6 +85,7 @@ class HandshakeServer:
     ) -> None:
         self.info, self.check, self.timeout = info, check, timeout
         self._sock = socket.create_server((host, port))
+        self._sock.settimeout(0.2)  # here: a server closed at once must not fail its thread
         self.host, self.port = self._sock.getsockname()[:2]
         self._stop = threading.Event()
         self.refused: list[str] = []
@@ -92,7 +93,6 @@ class HandshakeServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        self._sock.settimeout(0.2)
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()

@@ -189,10 +189,22 @@ def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
     assert params["req_id"] in prefill.engine.scheduler.held
 
 
+def _settle(count, quiet_s: float = 0.5, timeout_s: float = 10.0) -> None:
+    """Wait until `count()` has not changed for `quiet_s` seconds (at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = count(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        time.sleep(0.05)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def test_close_releases_the_agent_and_the_handshake_server(hf_checkpoint):
     directory = hf_checkpoint("nemotron_h")[0]
     native = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
     handshakes = lambda: sum(t.name == "handshake" for t in threading.enumerate())  # noqa: E731
+    _settle(native)  # threads of engines closed by earlier tests may still be ending
     before = native(), handshakes()
     with _make_llm(directory, 1, "kv_producer", "pull", None) as llm:
         opened = native(), handshakes()
