@@ -68,9 +68,10 @@ def main() -> int:
         runner = llm.engine.runner
         step, texts = runner._step, []
 
-        def spy(*a, **kw):
-            texts.append(step.lower(*a, **kw).compile().as_text())
-            return step(*a, **kw)
+        def spy(*a, **kw):  # the keyword arguments are the static ones
+            program = step.lower(*a, **kw).compile()
+            texts.append(program.as_text())
+            return program(*a)
 
         runner._step = spy
         rng = np.random.default_rng(0)
