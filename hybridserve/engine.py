@@ -192,9 +192,9 @@ class LLMEngine:
             raise ValueError("kv_transfer_params given but the engine has no kv_transfer config")
         if remote.get("do_remote_decode") and not self.connector.config.is_producer:
             raise ValueError("do_remote_decode needs a kv_producer (or kv_both) engine")
-        if "block_tables" in remote and not self.connector.config.is_consumer:
-            raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
         if "block_tables" in remote:
+            if not self.connector.config.is_consumer:
+                raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
             from hybridserve.disagg.remote_requests import check_params
 
             check_params(remote, len(ids))

@@ -29,9 +29,13 @@ from hybridserve.core.scheduler import Scheduler
 
 @dataclasses.dataclass
 class _Waiting:
-    req_id: str
+    request: Any  # the core Request, not yet in the scheduler
     params: dict[str, Any]
     deadline: float
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
 
 
 def check_params(params: dict[str, Any], num_prompt_tokens: int) -> None:
@@ -71,7 +75,6 @@ class RemoteRequests:
         self.waiting: list[_Waiting] = []
         self.params: dict[str, dict[str, Any]] = {}  # req_id -> its producer's parameters
         self._abort_after: set[str] = set()  # aborted while its pages are being written
-        self._requests: dict[str, Any] = {}  # waiting requests: req_id -> core Request
 
     def __bool__(self) -> bool:
         return bool(self.waiting)
@@ -80,17 +83,15 @@ class RemoteRequests:
         """Queue a decode-side request (params checked by `check_params`); starts at once
         when pages are free."""
         deadline = time.monotonic() + self.config.wait_timeout_s
-        self.waiting.append(_Waiting(request.req_id, params, deadline))
-        self._requests[request.req_id] = request
+        self.waiting.append(_Waiting(request, params, deadline))
         self.params[request.req_id] = params
         self._start()
 
     def abort(self, req_id: str) -> bool:
         """Abort a request this object still owns (waiting for pages, or for its transfer);
         False when the scheduler owns it."""
-        if req_id in self._requests:
+        if any(w.req_id == req_id for w in self.waiting):
             self.waiting = [w for w in self.waiting if w.req_id != req_id]
-            del self._requests[req_id]
             self.connector.release_remote(self.params.pop(req_id))
             return True
         if req_id in self.connector.pulls:
@@ -123,22 +124,19 @@ class RemoteRequests:
         those past their deadline."""
         now, still = time.monotonic(), []
         for w in self.waiting:
-            request = self._requests[w.req_id]
-            slots = self.scheduler.add_remote_request(request, w.params["num_tokens"])
+            slots = self.scheduler.add_remote_request(w.request, w.params["num_tokens"])
             if slots is None:
                 if now <= w.deadline:
                     still.append(w)
                     continue
-                del self._requests[w.req_id]
                 self._failed(
                     w.req_id,
                     f"no cache pages or seat for its transferred KV within "
                     f"{self.config.wait_timeout_s:g} s (wait_timeout_s)",
                     self.params.pop(w.req_id),
-                    request,
+                    w.request,
                 )
                 continue
-            del self._requests[w.req_id]
             try:
                 self.connector.start_transfer(w.req_id, w.params, slots)
             except Exception as err:  # handshake, NIXL, or parameters that fit no layout
