@@ -12,19 +12,17 @@ Routes:
                               held_requests / transfer_gbps on a P/D instance) plus
                               num_pages_used, num_pages_total, queue_depth and max_queue
 
-Every error is `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status: a body
-over `max_body_bytes` is refused with 413 by its Content-Length, or while it is being read
-(never buffered whole); invalid UTF-8, malformed JSON (NaN and Infinity included) and a body
-that does not match the request schema are 400 (not FastAPI's 422).
+Every error is `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. The body
+(see `body.py`): over `max_body_bytes` 413, anything but strict JSON (invalid UTF-8, NaN, 1e400,
+5000-digit integers, deep nesting, lone surrogates) 400, and one that does not match the
+request schema 400 (not FastAPI's 422).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,11 @@ from starlette.exceptions import HTTPException
 
 from hybridserve.server import protocol as P
 from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.body import read_json
 from hybridserve.server.chat import ChatTemplate
+from hybridserve.server.errors import APIError
 from hybridserve.server.metrics import CONTENT_TYPE, CountRequests, ServerMetrics
-from hybridserve.server.serving import APIError, OpenAIServing, ServingSettings
+from hybridserve.server.serving import OpenAIServing, ServingSettings
 
 log = logging.getLogger("hybridserve.server")
 
@@ -61,47 +61,6 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     request_timeout_s: float | None = 600.0
     drain_timeout_s: float = 30.0
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:20]} is too large")
-    return value
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, or an APIError (413 over `limit` bytes, 400 when it is not
-    UTF-8 JSON). The body is read in chunks and dropped as soon as it passes the limit."""
-    too_big = APIError(
-        413,
-        f"the request body is larger than {limit} bytes (--max-body-bytes)",
-        code="body_too_large",
-        headers={"Connection": "close"},
-    )
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise APIError(400, "invalid Content-Length header")
-        if int(length) > limit:
-            raise too_big
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise APIError(400, f"the request body is not valid UTF-8: {err}") from err
-    try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
-    except (ValueError, RecursionError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from err
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -116,7 +116,9 @@ class ServerMetrics:
 
 class CountRequests:
     """ASGI middleware: counts every HTTP request by endpoint (unknown paths: "other") and
-    response status (500 when the app fails before responding)."""
+    response status: 500 when the app fails before responding, but 499 when the client had
+    disconnected by then (a body cut off while being read is the client's doing, not an error
+    of the server)."""
 
     def __init__(self, app: Any, metrics: ServerMetrics, endpoints: set[str]) -> None:
         self.app = app
@@ -127,7 +129,15 @@ class CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status: int | None = None
+        left = False
+
+        async def receive_and_note() -> dict:
+            nonlocal left
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                left = True
+            return message
 
         async def send_and_note(message: dict) -> None:
             nonlocal status
@@ -136,8 +146,10 @@ class CountRequests:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive_and_note, send_and_note)
         finally:
+            if status is None:
+                status = 499 if left else 500
             path = scope.get("path", "")
             endpoint = path if path in self.endpoints else "other"
             self.metrics.http_requests.labels(endpoint, str(status)).inc()

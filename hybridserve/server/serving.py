@@ -3,10 +3,12 @@
 One request: the prompt is tokenized (chat: rendered with the chat template first) and checked
 against the vocabulary and `max_model_len`; `max_tokens` must fit in what the prompt leaves
 (completions default to 16, chat to all that is left); then the engine admits it (429 when the
-queue is full, 503 when shutting down) and the response is either one JSON body or server-sent
-events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`). A client that disconnects aborts its
-request. A request past `--request-timeout` is aborted: a JSON request gets a 504 error, a
-stream ends with `finish_reason: "abort"` (`stop_reason: "timeout"`).
+queue is full, 503 with Retry-After when shutting down) and the response is either one JSON
+body or server-sent events (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`). A client that
+disconnects aborts its request, streamed or not. A request past `--request-timeout` is
+aborted: a JSON request gets a 504 error, a stream ends with `finish_reason: "abort"`
+(`stop_reason: "timeout"`). An engine that dies (or stops) mid-stream ends the stream with an
+error event, `data: {"error": {...}}`, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -35,33 +37,12 @@ from hybridserve.server.async_engine import (
     RequestTimeout,
 )
 from hybridserve.server.chat import ChatTemplate, ChatTemplateError
+from hybridserve.server.errors import APIError
 from hybridserve.server.formatting import ResponseFormat
 from hybridserve.server.metrics import ServerMetrics
 from hybridserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hybridserve.server")
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI error body and `status`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.info = P.ErrorInfo(message=message, type=type, param=param, code=code)
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = P.ErrorResponse(error=self.info).model_dump()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +266,10 @@ class OpenAIServing:
                 429, str(err), "rate_limit_error", code="queue_full", headers=retry
             ) from err
         except NotAccepting as err:
-            raise APIError(503, str(err), "service_unavailable", code="unavailable") from err
+            retry = {"Retry-After": str(self.settings.retry_after_s)}
+            raise APIError(
+                503, str(err), "service_unavailable", code="unavailable", headers=retry
+            ) from err
         except ValueError as err:
             raise APIError(400, str(err)) from err
         track = _Track(self.metrics, req_id, arrival)
@@ -367,6 +351,12 @@ class OpenAIServing:
         except (EngineDead, EngineStopped) as err:
             track.done("error")
             info = P.ErrorInfo(message=str(err), type="service_unavailable", code="engine_error")
+            tail.append(_sse(P.ErrorResponse(error=info)))
+        except Exception as err:  # a stream must end with an event, not a cut connection
+            log.exception("%s failed while streaming", track.req_id)
+            track.done("error")
+            message = f"internal error: {type(err).__name__}"
+            info = P.ErrorInfo(message=message, type="internal_error", code="internal_error")
             tail.append(_sse(P.ErrorResponse(error=info)))
         finally:
             stream.close()

@@ -87,6 +87,10 @@ CASES = [
         400,
         "messages",
     ),
+    # bodies json.loads takes but that cannot be answered or sent on (were 500s)
+    ("lone surrogate", COMPLETIONS, b'{"prompt": "\\ud800 alone"}', 400, None),
+    ("lone surrogate in the model", COMPLETIONS, b'{"prompt": "a", "model": "\\udfff"}', 400, None),
+    ("5000-digit integer", COMPLETIONS, b'{"prompt": [' + b"7" * 5000 + b"]}", 400, None),
 ]
 
 
