@@ -1,8 +1,12 @@
-"""The FastAPI application: routes, body limits and the OpenAI error shape.
+"""The FastAPI application: routes, body limits, API key and the OpenAI error shape.
 
 Routes:
   POST /v1/completions        text completion (JSON or server-sent events)
   POST /v1/chat/completions   chat completion (JSON or server-sent events)
+  POST /v1/kv_transfer/release  `{"kv_transfer_params": <a prefill response's>}`: a prefill
+                              instance frees the pages it holds for that request at once
+                              (the proxy sends it when the decode leg failed); answers
+                              `{"released": bool}`
   GET  /v1/models             the served model name(s)
   GET  /health                200 while serving; 503 while shutting down or after an engine failure
   GET  /metrics               Prometheus text (see `metrics.py`)
@@ -10,12 +14,16 @@ Routes:
                               (num_running, num_waiting, cache_usage, prefix_cache_*,
                               num_preemptions; transfer_bytes / transfer_failures /
                               held_requests / transfer_gbps on a P/D instance) plus
-                              num_pages_used, num_pages_total, queue_depth and max_queue
+                              num_pages_used, num_pages_total, queue_depth, max_queue and
+                              engine_dead (null, or why the engine loop failed: then the
+                              snapshot is the last one, frozen, and the status is 503)
 
 Every error is `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. The body
-(see `body.py`): over `max_body_bytes` 413, anything but strict JSON (invalid UTF-8, NaN, 1e400,
-5000-digit integers, deep nesting, lone surrogates) 400, and one that does not match the
-request schema 400 (not FastAPI's 422).
+(see `body.py`): over `max_body_bytes` 413, not complete within `body_timeout_s` 408, anything
+but strict JSON (invalid UTF-8, NaN, 1e400, 5000-digit integers, deep nesting, lone surrogates)
+400, and one that does not match the request schema 400 (not FastAPI's 422). With `api_key`
+set, every route but /health needs `Authorization: Bearer <api_key>` (401 otherwise, see
+`auth.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from starlette.exceptions import HTTPException
 
 from hybridserve.server import protocol as P
 from hybridserve.server.async_engine import AsyncEngine
+from hybridserve.server.auth import BearerAuth
 from hybridserve.server.body import read_json
 from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.errors import APIError
@@ -46,6 +55,7 @@ log = logging.getLogger("hybridserve.server")
 ENDPOINTS = {
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/kv_transfer/release",
     "/v1/models",
     "/health",
     "/metrics",
@@ -55,12 +65,16 @@ ENDPOINTS = {
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
-    """Server limits. `request_timeout_s=None`: no per-request timeout."""
+    """Server limits. `request_timeout_s=None`: no per-request timeout; `api_key=None`: no
+    authentication; `header_timeout_s` / `body_timeout_s`: see `listener.py` and `body.py`."""
 
     model_names: tuple[str, ...] = ("default",)
     max_body_bytes: int = 1 << 20
     request_timeout_s: float | None = 600.0
     drain_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -116,6 +130,9 @@ def build_app(
     app = FastAPI(title="hybridserve", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    if settings.api_key:
+        app.add_middleware(BearerAuth, key=settings.api_key)
+    # added last, so outermost: it counts the 401s too
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
 
     @app.exception_handler(APIError)
@@ -136,15 +153,29 @@ def build_app(
         log.exception("internal error on %s", request.url.path)
         return APIError(500, f"internal error: {type(err).__name__}", "internal_error").response()
 
+    async def body(request: Request) -> Any:
+        return await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(P.CompletionRequest, await read_json(request, settings.max_body_bytes))
+        req = parse(P.CompletionRequest, await body(request))
         return await serving.completions(req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse(P.ChatCompletionRequest, await read_json(request, settings.max_body_bytes))
+        req = parse(P.ChatCompletionRequest, await body(request))
         return await serving.chat(req, request)
+
+    @app.post("/v1/kv_transfer/release")
+    async def release_kv(request: Request) -> JSONResponse:
+        req = parse(P.ReleaseRequest, await body(request))
+        if engine.dead is not None:
+            raise APIError(503, "the engine died", "service_unavailable", code="engine_error")
+        try:
+            released = await engine.release_kv(req.kv_transfer_params.model_dump(exclude_none=True))
+        except ValueError as err:
+            raise APIError(400, str(err), param="kv_transfer_params") from err
+        return JSONResponse({"released": bool(released)})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -168,6 +199,10 @@ def build_app(
 
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:
-        return JSONResponse(engine.stats())
+        dead = engine.dead
+        reason = None if dead is None else f"{type(dead).__name__}: {dead}"
+        return JSONResponse(
+            {**engine.stats(), "engine_dead": reason}, status_code=200 if dead is None else 503
+        )
 
     return app

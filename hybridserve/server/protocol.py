@@ -101,6 +101,13 @@ class _SamplingRequest(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+class ReleaseRequest(_Strict):
+    """`POST /v1/kv_transfer/release`: a prefill response's `kv_transfer_params`, whose held
+    pages the prefill instance frees at once (the proxy sends it when the decode leg failed)."""
+
+    kv_transfer_params: KVTransferParams
+
+
 class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a list holding
     exactly one of those (batches of several prompts are refused)."""
