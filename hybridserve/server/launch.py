@@ -1,9 +1,15 @@
 """`hybridserve serve`: load the engine, bind the socket, run uvicorn until a signal.
 
-Shutdown on SIGTERM or SIGINT: new requests get 503 and /health turns 503 at once; uvicorn
-closes the listening socket and waits up to `drain_timeout_s` for the requests in flight to
-finish (cancelling those still running after that, which aborts them in the engine); the
-application's lifespan then stops the engine thread.
+Shutdown (`DrainingServer`):
+  1. the first SIGTERM or SIGINT stops admissions: new generation requests get 503 with
+     Retry-After and /health answers 503, but the listener stays open (a load balancer sees
+     503s, not refused connections);
+  2. once no request is live in the engine, or after `drain_timeout_s`, uvicorn shuts down: it
+     closes the listener, lets the open responses end (cancelling, which aborts them in the
+     engine, those that do not end within 1 s of a drain that timed out) and the application's
+     lifespan stops the engine thread;
+  3. a second signal skips what is left of the drain.
+Connections get the head and body deadlines of `listener.py`.
 
 Heavy imports (JAX, the engine, FastAPI) happen inside `serve`, so that `parse_kv_transfer_config`
 can reject a bad flag before any of them.
@@ -14,10 +20,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
+import time
 from typing import Any
 
+import uvicorn
+
 from hybridserve.config import KVTransferConfig
+from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
+
+__all__ = ["DrainingServer", "bind", "parse_kv_transfer_config", "serve"]
 
 log = logging.getLogger("hybridserve.server")
 
@@ -45,17 +56,39 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
         raise ValueError(f"--kv-transfer-config: a value has the wrong type: {err}") from err
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: a free port)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining with the listener open on the first signal (see the module
+    docstring). `engine` needs `stop_accepting()` and `num_live` (an `AsyncEngine`)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline: float | None = None
+        self._drain_logged = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """Signal handler: the first signal starts the drain, a second one ends it."""
+        if self.drain_deadline is None:
+            self.engine.stop_accepting()
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s: end the drain once the engine is idle or the drain timed out."""
+        if self.drain_deadline is not None and not self.should_exit:
+            if not self._drain_logged:
+                self._drain_logged = True
+                live = self.engine.num_live
+                log.info("draining: %d requests in flight; new ones get 503", live)
+            if time.monotonic() >= self.drain_deadline:
+                log.warning("drain timed out with %d requests live", self.engine.num_live)
+                self.config.timeout_graceful_shutdown = 1
+                self.should_exit = True
+            elif self.engine.num_live == 0:
+                self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def serve(
@@ -70,8 +103,6 @@ def serve(
     SIGTERM/SIGINT. Logs `listening on http://HOST:PORT` once the socket is bound."""
     import asyncio
 
-    import uvicorn
-
     from hybridserve.engine import LLMEngine
     from hybridserve.server.app import build_app
     from hybridserve.server.async_engine import AsyncEngine
@@ -84,25 +115,18 @@ def serve(
     app = build_app(async_engine, settings)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
-        lifespan="on",
+    limits = HTTPLimits(
+        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s
     )
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            async_engine.stop_accepting()
-            super().handle_exit(sig, frame)
-
+    config = uvicorn_config(app, limits, log_level, graceful_s=settings.drain_timeout_s)
     log.info(
-        "serving %s (max_model_len %d) as %s; listening on http://%s:%d",
+        "serving %s (max_model_len %d) as %s%s; listening on http://%s:%d",
         engine_config.model,
         engine.max_model_len,
         list(settings.model_names),
+        " with an API key" if settings.api_key else "",
         bound_host,
         bound_port,
     )
-    asyncio.run(Server(config).serve(sockets=[sock]))
+    asyncio.run(DrainingServer(config, async_engine, settings.drain_timeout_s).serve([sock]))
     return 0

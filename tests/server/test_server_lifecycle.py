@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -72,36 +73,64 @@ def test_missing_model_and_conflicting_models():
     assert proc.returncode == 2 and "two models" in proc.stderr
 
 
-def test_sigterm_drains_the_request_in_flight(tmp_path):
-    server = ServerProcess([*SMALL, "--served-model-name", "toy", "alias"], tmp_path, "drain")
+def _stream(url: str, body: dict, first: threading.Event, out: list[str]) -> None:
+    """Read one streamed completion into `out`; set `first` at its first event."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line:
+                out.append(line)
+                first.set()
+
+
+def test_sigterm_drains_with_the_listener_open(tmp_path):
+    """Two long streams, one at a time (--max-num-seqs 1): after SIGTERM both finish, while
+    new requests get 503 with Retry-After (not a refused connection); then the server exits."""
+    args = [*SMALL, "--max-num-seqs", "1", "--served-model-name", "toy", "alias"]
+    server = ServerProcess(args, tmp_path, "drain")
     server.start()
+    streams: list[list[str]] = [[], []]
     try:
         assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [
             "toy",
             "alias",
         ]
-        body = {"model": "alias", "prompt": "def ", "max_tokens": 100, "ignore_eos": True}
+        body = {"model": "alias", "prompt": "def ", "max_tokens": 200, "ignore_eos": True}
         body["stream"] = True
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
-            server.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
+        started = [threading.Event(), threading.Event()]
+        threads = [
+            threading.Thread(target=_stream, args=(server.url, body, started[i], streams[i]))
+            for i in range(2)
+        ]
+        threads[0].start()
+        assert started[0].wait(120)
+        threads[1].start()
+        assert wait_until(lambda: server.stats()["queue_depth"] == 2, 30)
+        server.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, 10)
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "a"}, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "unavailable"
+        assert server.stats()["queue_depth"] >= 1  # the drain was still under way
 
-        def refused() -> bool:
+        def gone() -> bool:
             try:
                 httpx.get(server.url + "/health", timeout=2)
             except httpx.TransportError:
                 return True
             return False
 
-        assert wait_until(refused, 30)
+        assert wait_until(gone, 60)
         assert server.proc.wait(60) in (0, -signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
     finally:
         server.kill()
-    assert rest[-1] == "data: [DONE]"
-    events = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert all(e["model"] == "alias" for e in events)
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(e["model"] == "alias" for e in events)
     log = server.log()
-    assert "completion_tokens=100 finish=length" in log and "Shutting down" in log
+    assert log.count("completion_tokens=200 finish=length") == 2
+    assert "draining: 2 requests in flight" in log and "Shutting down" in log
