@@ -1,193 +1,57 @@
 """`hybridserve proxy`: one OpenAI endpoint in front of prefill and decode instances (P/D).
 
-Each completion or chat completion goes twice:
+Each completion or chat completion goes twice (see `proxy_routes.py` for the whole lifecycle):
   1. to a prefill instance (round-robin), as a non-streaming request with `max_tokens` 1 and
      `kv_transfer_params: {"do_remote_decode": true}`; its reply carries the transfer
      parameters (engine id, side channel, block ids, token count);
   2. to a decode instance (round-robin) with the client's original body plus those
      parameters; the decode instance pulls (or is pushed) the KV pages and Mamba states over
-     NIXL and generates; its reply (or server-sent event stream) goes back to the client as is.
-An error reply (4xx) of either instance goes back to the client unchanged. An instance that
-does not answer (connection refused, timeout) is taken out of rotation and the request is
-retried on the next one; a health check (`GET /health` every `health_interval_s`) brings it
-back.
+     NIXL and generates; its reply (or server-sent event stream) goes back to the client.
+An error reply of either instance goes back to the client unchanged. A request is refused
+(503) before its prefill when no decode instance is in rotation; when the decode leg fails or
+the client leaves, the prefill instance is told to free the held pages at once. Instances leave
+and rejoin the rotation as `proxy_state.py` describes (health checks every
+`health_interval_s`, several failures in a row before a slow instance leaves).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (a decode instance's),
+GET /health (200 while some prefill and some decode instance are in rotation), GET /v1/stats
+(the proxy's counters: requests, prefill_failures, decode_failures, client_disconnects,
+releases_sent, release_failures, no_instance, and each instance's state). With an API key,
+every route but /health needs `Authorization: Bearer KEY` (`auth.py`); the upstream key goes
+to the instances.
 
 Lifecycle:
-  1. `ProxyState(prefill_urls, decode_urls)` holds the instances and an httpx client.
-  2. `build_proxy(state)` returns the FastAPI app; its lifespan starts the health-check task
-     and closes the client at shutdown.
-  3. Per request: `_pick` (round-robin over healthy instances), `_prefill`, `_decode`.
+  1. `ProxyState(prefill_urls, decode_urls, ...)` holds the instances and an httpx client.
+  2. `build_proxy(state, api_key)` returns the FastAPI app; its lifespan starts the health-check
+     task and, at shutdown, stops it, waits briefly for releases in flight and closes the client.
+  3. Per request: `proxy_routes.handle`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from hybridserve.server.auth import BearerAuth
+from hybridserve.server.errors import APIError
+from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
+from hybridserve.server.proxy_routes import handle
+from hybridserve.server.proxy_state import Instance, NoInstance, ProxyState, ProxyStats
+
+__all__ = ["Instance", "NoInstance", "ProxyState", "ProxyStats", "build_proxy", "run_proxy"]
 
 log = logging.getLogger("hybridserve.proxy")
 
-MAX_BODY = 1 << 20
 
-
-class NoInstance(RuntimeError):
-    """No healthy instance of a role is left."""
-
-
-class Instance:
-    """One upstream server and whether it is in rotation."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self.healthy = True
-
-    def __repr__(self) -> str:
-        return f"Instance({self.url}, healthy={self.healthy})"
-
-
-class ProxyState:
-    """The prefill and decode instances, round-robin cursors and the shared HTTP client."""
-
-    def __init__(
-        self,
-        prefill: list[str],
-        decode: list[str],
-        timeout_s: float = 600.0,
-        health_interval_s: float = 2.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        if not prefill or not decode:
-            raise ValueError("the proxy needs at least one --prefill and one --decode URL")
-        self.prefill = [Instance(u) for u in prefill]
-        self.decode = [Instance(u) for u in decode]
-        self._cursor = {"prefill": itertools.count(), "decode": itertools.count()}
-        self.health_interval_s = health_interval_s
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport
-        )
-
-    def pick(self, role: str) -> list[Instance]:
-        """The healthy instances of `role`, starting at the next round-robin position."""
-        pool = self.prefill if role == "prefill" else self.decode
-        healthy = [i for i in pool if i.healthy]
-        if not healthy:
-            raise NoInstance(f"no healthy {role} instance")
-        start = next(self._cursor[role]) % len(healthy)
-        return healthy[start:] + healthy[:start]
-
-    async def check_health(self) -> None:
-        """One round of `GET /health` on every instance."""
-        for inst in self.prefill + self.decode:
-            try:
-                reply = await self.client.get(f"{inst.url}/health", timeout=2.0)
-                ok = reply.status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok != inst.healthy:
-                log.warning("%s is %s", inst.url, "back" if ok else "out of rotation")
-            inst.healthy = ok
-
-
-def _error(status: int, message: str, kind: str = "proxy_error") -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-async def _post(state: ProxyState, role: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    """POST to the first instance of `role` that answers; dead ones leave the rotation."""
-    last: Exception | None = None
-    for inst in state.pick(role):
-        try:
-            return await state.client.post(f"{inst.url}{path}", json=body)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as err:
-            inst.healthy = False
-            log.warning("%s did not answer (%s): out of rotation", inst.url, err)
-            last = err
-    raise NoInstance(f"no {role} instance answered: {last}")
-
-
-async def _stream(state: ProxyState, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
-    """Open a streaming POST on the first decode instance that answers."""
-    last: Exception | None = None
-    for inst in state.pick("decode"):
-        request = state.client.build_request("POST", f"{inst.url}{path}", json=body)
-        try:
-            return await state.client.send(request, stream=True), inst
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as err:
-            inst.healthy = False
-            last = err
-    raise NoInstance(f"no decode instance answered: {last}")
-
-
-async def _relay(reply: httpx.Response) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in reply.aiter_bytes():
-            yield chunk
-    finally:
-        await reply.aclose()  # a client that went away closes the decode stream: it aborts
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None once it is known to exceed `limit` (never buffered past it)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _handle(state: ProxyState, request: Request, path: str) -> Response:
-    raw = await _read_body(request, MAX_BODY)
-    if raw is None:
-        return _error(413, f"request body over {MAX_BODY} bytes", "invalid_request_error")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return _error(400, f"malformed JSON: {err}", "invalid_request_error")
-    if not isinstance(body, dict):
-        return _error(400, "the request body must be a JSON object", "invalid_request_error")
-    try:
-        first = {**body, "stream": False, "max_tokens": 1}
-        first.pop("max_completion_tokens", None)
-        first.pop("stream_options", None)
-        first["kv_transfer_params"] = {"do_remote_decode": True}
-        reply = await _post(state, "prefill", path, first)
-        if reply.status_code != 200:
-            return Response(reply.content, reply.status_code, media_type="application/json")
-        params = reply.json().get("kv_transfer_params")
-        if not params:
-            return _error(502, "the prefill instance returned no kv_transfer_params")
-        second = {**body, "kv_transfer_params": params}
-        if body.get("stream"):
-            upstream, _ = await _stream(state, path, second)
-            if upstream.status_code != 200:
-                content = await upstream.aread()
-                await upstream.aclose()
-                return Response(content, upstream.status_code, media_type="application/json")
-            return StreamingResponse(_relay(upstream), media_type="text/event-stream")
-        reply = await _post(state, "decode", path, second)
-        return Response(reply.content, reply.status_code, media_type="application/json")
-    except NoInstance as err:
-        return _error(503, str(err))
-    except httpx.HTTPError as err:
-        return _error(502, f"upstream error: {err}")
-
-
-def build_proxy(state: ProxyState) -> FastAPI:
-    """The proxy's FastAPI app (see the module docstring)."""
+def build_proxy(state: ProxyState, api_key: str | None = None) -> FastAPI:
+    """The proxy's FastAPI app (see the module docstring); `api_key`: the key clients send."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -201,17 +65,30 @@ def build_proxy(state: ProxyState) -> FastAPI:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await state.settle(timeout=5.0)
         await state.client.aclose()
 
     app = FastAPI(title="hybridserve proxy", lifespan=lifespan)
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return APIError(err.status_code, str(err.detail), kind, headers=err.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(err).__name__}", "internal_error").response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _handle(state, request, "/v1/completions")
+        return await handle(state, request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _handle(state, request, "/v1/chat/completions")
+        return await handle(state, request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -221,8 +98,8 @@ def build_proxy(state: ProxyState) -> FastAPI:
                     reply = await state.client.get(f"{inst.url}/v1/models")
                     return Response(reply.content, reply.status_code, media_type="application/json")
         except NoInstance as err:
-            return _error(503, str(err))
-        return _error(503, "no decode instance answered")
+            return APIError(503, str(err), "service_unavailable", code="no_instance").response()
+        return APIError(503, "no decode instance answered", "service_unavailable").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -233,7 +110,31 @@ def build_proxy(state: ProxyState) -> FastAPI:
         }
         return JSONResponse(status, status_code=200 if ok else 503)
 
+    @app.get("/v1/stats")
+    async def stats() -> JSONResponse:
+        return JSONResponse(state.snapshot())
+
     return app
+
+
+def proxy_state(
+    prefill: list[str],
+    decode: list[str],
+    timeout_s: float,
+    api_key: str | None,
+    upstream_api_key: str | None,
+    limits: HTTPLimits,
+    max_body_bytes: int,
+) -> ProxyState:
+    """The state `run_proxy` serves: the upstream key defaults to the proxy's own."""
+    return ProxyState(
+        prefill,
+        decode,
+        timeout_s=timeout_s,
+        upstream_api_key=upstream_api_key or api_key,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=limits.body_timeout_s,
+    )
 
 
 def run_proxy(
@@ -243,19 +144,25 @@ def run_proxy(
     port: int = 8000,
     timeout_s: float = 600.0,
     log_level: str = "info",
+    api_key: str | None = None,
+    upstream_api_key: str | None = None,
+    limits: HTTPLimits | None = None,
+    max_body_bytes: int = 1 << 20,
 ) -> int:
-    """Serve the proxy until SIGTERM/SIGINT; logs `listening on http://HOST:PORT` once bound."""
+    """Serve the proxy until SIGTERM/SIGINT; logs `listening on http://HOST:PORT` once bound.
+    `upstream_api_key` defaults to `api_key`."""
     import uvicorn
-
-    from hybridserve.server.launch import bind
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    state = ProxyState(prefill, decode, timeout_s=timeout_s)
+    limits = limits or HTTPLimits()
+    state = proxy_state(
+        prefill, decode, timeout_s, api_key, upstream_api_key, limits, max_body_bytes
+    )
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    log.info("listening on http://%s:%d", bound_host, bound_port)
-    config = uvicorn.Config(build_proxy(state), log_level=log_level, timeout_graceful_shutdown=30)
+    log.info("listening on http://%s:%d%s", bound_host, bound_port, " (API key)" if api_key else "")
+    config = uvicorn_config(build_proxy(state, api_key), limits, log_level, graceful_s=30)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

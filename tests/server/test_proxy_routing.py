@@ -5,37 +5,12 @@ The end-to-end proxy over real servers is in test_proxy_e2e.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
+from app_harness import Upstreams
 
 from hybridserve.server.proxy import ProxyState, build_proxy
-
-
-class Upstreams:
-    """Scripted instances: records every request; `down` hosts refuse connections."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, dict]] = []
-        self.down: set[str] = set()
-        self.prefill_status = 200
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        if host in self.down:
-            raise httpx.ConnectError("refused", request=request)
-        if request.url.path == "/health":
-            return httpx.Response(200, json={})
-        body = json.loads(request.content)
-        self.seen.append((host, request.url.path, body))
-        if host.startswith("p"):
-            if self.prefill_status != 200:
-                return httpx.Response(self.prefill_status, json={"error": {"message": "bad"}})
-            return httpx.Response(200, json={"kv_transfer_params": {"from": host}})
-        if body.get("stream"):
-            return httpx.Response(200, content=b'data: {"x": 1}\n\ndata: [DONE]\n\n')
-        return httpx.Response(200, json={"choices": [{"text": f"decoded by {host}"}]})
 
 
 def _run(coro):
@@ -52,7 +27,7 @@ def _state(up: Upstreams, prefill=("p1", "p2"), decode=("d1", "d2")) -> ProxySta
     return ProxyState(
         [f"http://{h}:1" for h in prefill],
         [f"http://{h}:1" for h in decode],
-        transport=httpx.MockTransport(up),
+        transport=up.transport(),
     )
 
 
