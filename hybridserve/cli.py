@@ -11,6 +11,7 @@ import sys
 import time
 
 from hybridserve.api import DEFAULT_MODEL
+from hybridserve.server.flags import add_http_args, add_proxy_parser, check_http_args
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -136,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    check_http_args(args)
     from hybridserve.config import CacheConfig
     from hybridserve.engine import EngineConfig
     from hybridserve.server.app import ServerSettings
@@ -153,16 +155,24 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout if args.request_timeout > 0 else None,
         drain_timeout_s=args.drain_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        api_key=args.api_key,
     )
     return serve(engine_config, settings, args.host, args.port, args.max_queue, args.log_level)
 
 
 _SERVE_EPILOG = """\
 endpoints: POST /v1/completions, POST /v1/chat/completions (streaming by server-sent events
-or not), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /v1/stats (engine
-statistics as JSON).
+or not), POST /v1/kv_transfer/release (a prefill instance frees a request's held pages),
+GET /v1/models, GET /health, GET /metrics (Prometheus), GET /v1/stats (engine statistics as
+JSON; 503 with the reason once the engine died).
+
+On SIGTERM/SIGINT the server drains: new requests get 503 with Retry-After while those in
+flight finish (up to --drain-timeout), then it exits; a second signal ends the drain.
 
 environment:
+  HYBRIDSERVE_API_KEY=KEY            the default of --api-key
   HYBRIDSERVE_SSM_CONV_LAYOUT=DS|SD  layout of the Mamba conv state in the cache (default DS:
                                      x, B and C each contiguous, what P/D transfers expect)
 
@@ -231,35 +241,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/SIGINT, seconds to let requests in flight finish (default: 30)",
+        help="on SIGTERM/SIGINT, seconds to let requests in flight finish while new ones get "
+        "503 (default: 30)",
     )
+    add_http_args(p)
     p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="log level (info: one line per request)",
     )
-
-
-def _proxy(args: argparse.Namespace) -> int:
-    from hybridserve.server.proxy import run_proxy
-
-    return run_proxy(
-        args.prefill, args.decode, args.host, args.port, args.request_timeout, args.log_level
-    )
-
-
-_PROXY_EPILOG = """
-Each request goes to a prefill instance (max_tokens 1, kv_transfer_params
-{"do_remote_decode": true}), then with the returned transfer parameters to a decode
-instance, whose reply (JSON or server-sent events) is relayed. Instances are used
-round-robin; one that does not answer leaves the rotation until its /health answers.
-
-example (one machine, default model):
-  hybridserve serve --port 8100 --kv-transfer-config '{"kv_role":"kv_producer"}' &
-  hybridserve serve --port 8200 --kv-transfer-config '{"kv_role":"kv_consumer"}' &
-  hybridserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
-"""
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -303,23 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
-    prx = sub.add_parser(
-        "proxy",
-        help="route requests through prefill and decode instances (disaggregated serving)",
-        description="One OpenAI-compatible endpoint in front of `hybridserve serve` prefill "
-        "(kv_producer) and decode (kv_consumer) instances.",
-        epilog=_PROXY_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    prx.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill URLs")
-    prx.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode URLs")
-    prx.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    prx.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    prx.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds per upstream request"
-    )
-    prx.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    prx.set_defaults(func=_proxy)
+    add_proxy_parser(sub)
     conv = sub.add_parser(
         "convert",
         help="convert an HF checkpoint to our orbax layout",

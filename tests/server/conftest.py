@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from server_harness import OFFLINE, SMALL, ServerProcess
+from server_harness import HEADER_TIMEOUT_S, OFFLINE, SMALL, ServerProcess
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The default model served on loopback (float32, max_model_len 256)."""
-    proc = ServerProcess([*SMALL, "--max-queue", "64"], tmp_path_factory.mktemp("logs"), "main")
+    """The default model served on loopback (float32, max_model_len 256; request heads must
+    arrive within HEADER_TIMEOUT_S)."""
+    args = [*SMALL, "--max-queue", "64", "--header-timeout", str(HEADER_TIMEOUT_S)]
+    proc = ServerProcess(args, tmp_path_factory.mktemp("logs"), "main")
     with proc:
         yield proc
 

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # Small settings keep compilation short; float32 keeps greedy parity with offline runs exact.
 SMALL = ["--max-model-len", "256", "--max-num-seqs", "8", "--dtype", "float32"]
 OFFLINE = dict(max_model_len=256, max_num_seqs=8, dtype="float32")
+HEADER_TIMEOUT_S = 2.0  # --header-timeout of the shared server (conftest.py)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:

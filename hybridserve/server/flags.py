@@ -1,0 +1,121 @@
+"""Command-line flags of the HTTP front ends: those `serve` and `proxy` share (API key,
+connection deadlines) and the `proxy` subcommand (`hybridserve.cli` builds the parser)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def check_http_args(args: argparse.Namespace) -> None:
+    """ValueError for a deadline flag that is not positive."""
+    for flag, value in (
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+def add_http_args(p: argparse.ArgumentParser, upstream: bool = False) -> None:
+    """Flags shared by `serve` and `proxy`: API keys and the connection deadlines."""
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HYBRIDSERVE_API_KEY") or None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
+        "default: $HYBRIDSERVE_API_KEY (better than the flag, which `ps` shows), unset: no key",
+    )
+    if upstream:
+        p.add_argument(
+            "--upstream-api-key",
+            default=None,
+            metavar="KEY",
+            help="the key sent to the prefill and decode instances (default: --api-key)",
+        )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers; slower connections are closed "
+        "(default: 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's body; slower ones get HTTP 408 "
+        "(default: 30)",
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`hybridserve proxy ARGS`."""
+    check_http_args(args)
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    from hybridserve.server.listener import HTTPLimits
+    from hybridserve.server.proxy import run_proxy
+
+    return run_proxy(
+        args.prefill,
+        args.decode,
+        args.host,
+        args.port,
+        args.request_timeout,
+        args.log_level,
+        api_key=args.api_key,
+        upstream_api_key=args.upstream_api_key,
+        limits=HTTPLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout),
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+_PROXY_EPILOG = """
+Each request goes to a prefill instance (max_tokens 1, kv_transfer_params
+{"do_remote_decode": true}), then with the returned transfer parameters to a decode
+instance, whose reply (JSON or server-sent events) is relayed. Instances are used
+round-robin. One that refuses connections, or whose /health answers non-200, leaves the
+rotation at once; one that fails 3 health checks in a row (timeouts) leaves it too; a 200
+from /health brings it back. No decode instance in rotation: 503 before any prefill. When
+the decode leg fails or the client leaves, the prefill instance is told to free the held
+pages (POST /v1/kv_transfer/release). GET /v1/stats: the proxy's counters.
+
+environment:
+  HYBRIDSERVE_API_KEY=KEY  the default of --api-key (and so of --upstream-api-key)
+
+example (one machine, default model):
+  hybridserve serve --port 8100 --kv-transfer-config '{"kv_role":"kv_producer"}' &
+  hybridserve serve --port 8200 --kv-transfer-config '{"kv_role":"kv_consumer"}' &
+  hybridserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+"""
+
+
+def add_proxy_parser(subcommands: Any) -> argparse.ArgumentParser:
+    """Add `proxy` to the CLI's subcommands (an argparse subparsers object)."""
+    prx = subcommands.add_parser(
+        "proxy",
+        help="route requests through prefill and decode instances (disaggregated serving)",
+        description="One OpenAI-compatible endpoint in front of `hybridserve serve` prefill "
+        "(kv_producer) and decode (kv_consumer) instances.",
+        epilog=_PROXY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prx.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill URLs")
+    prx.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode URLs")
+    prx.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    prx.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    prx.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per upstream request"
+    )
+    prx.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body; larger ones get HTTP 413 (default: 1 MiB)",
+    )
+    add_http_args(prx, upstream=True)
+    prx.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    prx.set_defaults(func=_run)
+    return prx
