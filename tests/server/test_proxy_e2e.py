@@ -1,6 +1,7 @@
 """`hybridserve proxy` over a real prefill instance and a real decode instance (NIXL over UCX
 on loopback): greedy outputs equal those of one `kv_both` instance, streamed and not, for
-concurrent requests, and both instances end with every page back in their pools."""
+concurrent requests, and both instances end with every page back in their pools; a failed
+decode leg has the prefill instance release its pages at once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from app_harness import serve_in_thread, wait_until
 from server_harness import SMALL, ServerProcess
+
+from hybridserve.server.listener import HTTPLimits
+from hybridserve.server.proxy import ProxyState, build_proxy
 
 PROMPTS = [f"def helper_{i}(items):\n    " for i in range(6)]
 # Leases and transfer timeouts long enough for a loaded 2-core CI machine, where each of the
@@ -104,3 +109,18 @@ def test_proxy_health_models_and_bad_input(deployment):
     # an invalid request is refused by the prefill instance and passed on unchanged
     bad = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "n": 3}, timeout=30)
     assert 400 <= bad.status_code < 500 and "error" in bad.json()
+
+
+def test_a_failed_decode_leg_frees_the_prefill_pages_at_once(deployment):
+    """A proxy whose "decode instance" is the prefill instance itself, which refuses the decode
+    leg: the proxy passes the error on and releases the pages the prefill holds, long before
+    their lease (600 s here) would."""
+    prefill = deployment[1]
+    state = ProxyState([prefill.url], [prefill.url])
+    body = {"prompt": "def released(x):", "max_tokens": 4}
+    with serve_in_thread(build_proxy(state), HTTPLimits()) as url:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert 400 <= reply.status_code < 500 and "error" in reply.json(), reply.text
+        assert wait_until(lambda: state.stats.releases_sent == 1, 30)
+    assert state.stats.release_failures == 0
+    assert prefill.idle(30), prefill.stats()

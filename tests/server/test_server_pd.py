@@ -88,3 +88,19 @@ def test_decode_instance_refuses_do_remote_decode(pair):
     response = httpx.post(decode.url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert "kv_producer" in response.json()["error"]["message"]
+
+
+def test_release_frees_the_held_pages_at_once(pair):
+    """What the proxy sends when the decode leg failed: the prefill instance frees the pages
+    it holds for the decode side now, not at the end of the lease."""
+    prefill, _ = pair
+    params = _prefill(prefill, "/v1/completions", {"prompt": PROMPT})
+    assert prefill.stats()["held_requests"] == 1
+    url = prefill.url + "/v1/kv_transfer/release"
+    first = httpx.post(url, json={"kv_transfer_params": params}, timeout=30)
+    assert first.status_code == 200 and first.json() == {"released": True}, first.text
+    assert prefill.idle(timeout=30), prefill.stats()
+    again = httpx.post(url, json={"kv_transfer_params": params}, timeout=30)
+    assert again.status_code == 200 and again.json() == {"released": False}
+    bad = httpx.post(url, json={"kv_transfer_params": "x"}, timeout=30)
+    assert bad.status_code == 400 and "error" in bad.json()
