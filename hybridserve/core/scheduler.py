@@ -42,7 +42,12 @@ from hybridserve.kv_spec import CachePlan
 
 
 class PoolTooSmall(RuntimeError):
-    """The cache pool cannot hold one request on its own."""
+    """The cache pool cannot hold request `req_id` on its own, even with nothing else in it
+    (the engine fails that request and keeps serving)."""
+
+    def __init__(self, message: str, req_id: str) -> None:
+        super().__init__(message)
+        self.req_id = req_id
 
 
 class Scheduler:
@@ -64,6 +69,8 @@ class Scheduler:
         self._in_flight: SchedulerOutput | None = None
         self._in_flight_ids: set[str] = set()
         self.held: dict[str, Request] = {}  # finished, pages kept for a remote reader
+        self.held_pages = 0  # pages of the held requests (a shared page counts per holder)
+        self.max_held_pages = max(1, int(config.max_held_fraction * (num_pages - 1)))
         self.remote: dict[str, int] = {}  # parked for remote KV: req_id -> external tokens
 
     # -- requests ---------------------------------------------------------------------------
@@ -136,7 +143,8 @@ class Scheduler:
             n = self._chunk_size(request, request.num_computed_tokens, budget)
             while not self.coordinator.allocate_slots(request, n):
                 victim = max(self.running[i:], key=self._arrival)
-                if victim is request and i == 0 and len(self.running) == 1:
+                alone = i == 0 and len(self.running) == 1
+                if victim is request and alone and not self._pages_will_return():
                     raise self._too_small(request, n)
                 self._preempt(victim)
                 preempted = True
@@ -153,10 +161,12 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.hold_pages and self.held_pages >= self.max_held_pages:
+                break  # held pages are bounded: wait for reads, releases or leases to end
             hit = self.coordinator.find_prefix(request)
             n = self._chunk_size(request, hit.num_tokens, budget)
             if not self.coordinator.allocate_slots(request, n, hit):
-                if self.running:
+                if self.running or self._pages_will_return():
                     break
                 # alone in the pool: copy sources hold extra pages, so try without the hit
                 n = self._chunk_size(request, 0, budget)
@@ -272,6 +282,7 @@ class Scheduler:
             self.waiting.remove(request)
         if request.hold_pages and request.finish_reason != "abort":
             self.held[request.req_id] = request
+            self.held_pages += self._num_pages(request)
         else:
             self.coordinator.free(request, keep_state)
 
@@ -286,6 +297,7 @@ class Scheduler:
         request = self.held.pop(req_id, None)
         if request is None:
             return False
+        self.held_pages -= self._num_pages(request)
         self.coordinator.free(request, keep_state=True)
         return True
 
@@ -344,6 +356,14 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
+    def _num_pages(self, request: Request) -> int:
+        return sum(p != 0 for t in self.coordinator.block_tables(request) for p in t)
+
+    def _pages_will_return(self) -> bool:
+        """Pages are held for remote readers or being filled by transfers: they come back
+        within a lease or a transfer timeout, so a request that does not fit now waits."""
+        return bool(self.held or self.remote)
+
     def _too_small(self, request: Request, n: int) -> PoolTooSmall:
         c = self.coordinator
         chunk = self.config.max_prefill_chunk
@@ -353,5 +373,6 @@ class Scheduler:
             f"the cache pool ({c.pool.num_pages - 1} usable pages) cannot hold request "
             f"{request.req_id!r} on its own: {request.num_computed_tokens + n} tokens need {need} "
             f"pages, and max_model_len {self.config.max_model_len} needs {full}; give the cache "
-            "more pages or lower max_model_len"
+            "more pages or lower max_model_len",
+            request.req_id,
         )
