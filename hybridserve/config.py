@@ -8,7 +8,9 @@ layer. `ModelConfig.from_hf(path)` reads a Hugging Face `config.json` (families 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,18 @@ from hybridserve.layer_configs import (  # noqa: F401 (re-exported)
     VisionConfig,
     _require,
 )
+
+SECRET_ENV = "HYBRIDSERVE_KV_SECRET"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +226,10 @@ class SchedulerConfig:
     """Continuous batching. Each step computes at most `max_num_batched_tokens` tokens over at
     most `max_num_seqs` requests; one request's prefill chunk is at most `max_prefill_chunk`.
     Prefix caching shares computed prefixes at a granularity of `prefix_unit` tokens (None: the
-    largest divisor of the attention block that is a kernel-block multiple <= 256)."""
+    largest divisor of the attention block that is a kernel-block multiple <= 256).
+    `max_held_fraction`: the most of the pool that finished P/D prefill requests may hold for
+    their decode side; past it new prefill-for-decode requests wait (held pages return when
+    read, released or at the end of their lease)."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
@@ -220,9 +237,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     prefix_unit: int | None = None
+    max_held_fraction: float = 0.75
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(0 < self.max_held_fraction <= 1, "max_held_fraction must be in (0, 1]")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens must be >= max_num_seqs",
@@ -270,6 +289,14 @@ class KVTransferConfig:
     `wait_timeout_s` (decode side): how long a request may wait for cache pages or a seat
     before its transfer starts; past it the request recomputes locally or fails (per
     `failure_policy`) and the prefill engine is told to free its pages.
+
+    Security (`disagg.auth`): `secret` (or the environment variable HYBRIDSERVE_KV_SECRET) is
+    the deployment's shared secret. With it, handshakes are mutually authenticated before any
+    metadata or address is sent, and the prefill side signs the `kv_transfer_params` it
+    returns; a decode engine accepts only signed, unexpired, unused parameters whose prompt
+    hash matches. Without it, the side channel binds to loopback only and a decode engine only
+    contacts loopback producers. `allowed_peers` (decode side): the producers it may contact,
+    as "host" or "host:port" (empty: any, subject to the rule above).
     """
 
     kv_role: str = "kv_both"
@@ -285,8 +312,26 @@ class KVTransferConfig:
     transfer_mode: str = "pull"
     nixl_threads: int = 0
     nixl_progress_delay_us: int | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    allowed_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.allowed_peers, list):
+            object.__setattr__(self, "allowed_peers", tuple(self.allowed_peers))
+        _require(
+            isinstance(self.allowed_peers, tuple)
+            and all(isinstance(p, str) and p for p in self.allowed_peers),
+            f"allowed_peers must be a list of 'host' or 'host:port': {self.allowed_peers!r}",
+        )
+        _require(
+            self.secret is None or (isinstance(self.secret, str) and len(self.secret) >= 16),
+            "secret must be a string of at least 16 characters",
+        )
+        _require(
+            self.secret_key is not None or is_loopback(self.host),
+            f"the P/D side channel would bind to {self.host!r} without a shared secret: set "
+            "`secret` (or HYBRIDSERVE_KV_SECRET) or bind to a loopback address",
+        )
         _require(self.kv_role in KV_ROLES, f"kv_role must be one of {KV_ROLES}: {self.kv_role!r}")
         _require(
             self.kv_connector == "NixlConnector",
@@ -309,6 +354,12 @@ class KVTransferConfig:
             self.lease_s > 0 and self.transfer_timeout_s > 0 and self.wait_timeout_s > 0,
             "timeouts must be > 0",
         )
+
+    @property
+    def secret_key(self) -> bytes | None:
+        """The shared secret (`secret`, else HYBRIDSERVE_KV_SECRET), or None."""
+        secret = self.secret or os.environ.get(SECRET_ENV) or None
+        return None if secret is None else secret.encode()
 
     @property
     def is_producer(self) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 
 from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from hybridserve.core.request import MultimodalInput, Request
-from hybridserve.core.scheduler import Scheduler
+from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
@@ -36,6 +36,18 @@ from hybridserve.runner.sampler import sample_requests
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
+
+
+def _local_prefill_output(req_id: str, prompt: str | list[int], ids: list[int]) -> RequestOutput:
+    """A prefill engine's answer to a remote-decode prompt of one token: there is nothing to
+    transfer (the decode side computes the last prompt token itself), so the parameters tell
+    the decode side to prefill locally."""
+    now = time.perf_counter()
+    metrics = RequestMetrics(arrival_time=now, first_token_time=now, finished_time=now)
+    done = CompletionOutput(0, "", [], "length", None, None)
+    params = {"do_remote_prefill": False, "local_prefill": True}
+    text = prompt if isinstance(prompt, str) else None
+    return RequestOutput(req_id, text, list(ids), [done], True, metrics, [], params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,16 +200,17 @@ class LLMEngine:
         if mm is not None and kv_transfer_params:
             raise ValueError("multimodal prompts do not run disaggregated yet")
         remote = kv_transfer_params or {}
+        if not isinstance(remote, dict):
+            raise ValueError("kv_transfer_params must be an object")
         if remote and self.connector is None:
             raise ValueError("kv_transfer_params given but the engine has no kv_transfer config")
         if remote.get("do_remote_decode") and not self.connector.config.is_producer:
             raise ValueError("do_remote_decode needs a kv_producer (or kv_both) engine")
+        transfer = None
         if "block_tables" in remote:
             if not self.connector.config.is_consumer:
                 raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
-            from hybridserve.disagg.remote_requests import check_params
-
-            check_params(remote, len(ids))
+            transfer = self.connector.accept_params(remote, ids)  # ValueError, Forbidden
         if req_id is None:
             req_id = f"req-{self._counter}"
         if req_id in self._tracked:
@@ -207,8 +220,9 @@ class LLMEngine:
             params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._counter
         )
         producer = bool(remote.get("do_remote_decode"))
-        if producer and len(ids) < 2:
-            raise ValueError("a remote-decode prompt needs at least 2 tokens")
+        if producer and len(ids) < 2:  # nothing to transfer: the decode side computes it all
+            self._ready.append(_local_prefill_output(req_id, prompt, ids))
+            return req_id
         request = Request(
             req_id,
             ids[:-1] if producer else ids,  # the decode side computes the last prompt token
@@ -229,8 +243,8 @@ class LLMEngine:
             [] if params.logprobs is not None else None,
         )
         self._tracked[req_id].remote_prefill = producer
-        if "block_tables" in remote:
-            self.remote.add(request, remote)
+        if transfer is not None:
+            self.remote.add(request, transfer)
         else:
             self.scheduler.add_request(request)
         return req_id
@@ -245,9 +259,24 @@ class LLMEngine:
             self.scheduler.abort_request(req_id)
 
     def _gave_up(self, req_id: str, reason: str) -> None:
-        """A decode-side P/D request failed for good (`failure_policy` "fail"): report it."""
-        tracked = self._tracked.pop(req_id)
-        self._ready.append(self._output(tracked, True, time.perf_counter()))
+        """A request failed for good (a decode-side P/D request with `failure_policy` "fail",
+        or one the cache pool cannot hold): report it."""
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is not None:
+            self._ready.append(self._output(tracked, True, time.perf_counter()))
+
+    def release_kv(self, params: dict) -> bool:
+        """Prefill side: free now the held pages of the request whose transfer parameters
+        (as this engine returned them) are `params` (its decode leg failed). False when they
+        are not this engine's, not held (read, released, expired) or wrongly signed."""
+        if self.connector is None or not self.connector.config.is_producer:
+            return False
+        return self.connector.release_held(params) is not None
+
+    @property
+    def transfers_idle(self) -> bool:
+        """No P/D work in flight (held pages, transfers, handshakes, waiting requests)."""
+        return self.remote is None or self.remote.idle
 
     def poll_transfers(self) -> None:
         """Advance P/D bookkeeping (`disagg.remote_requests`): finished transfers, requests
@@ -262,7 +291,12 @@ class LLMEngine:
         """Run one scheduled step; outputs of every request that got a token in it."""
         self.poll_transfers()
         ready, self._ready = self._ready, []
-        out = self.scheduler.schedule()
+        try:
+            out = self.scheduler.schedule()
+        except PoolTooSmall as err:  # that request can never run here: fail it, keep serving
+            self.scheduler.finish_request(err.req_id, "abort", stop_reason=str(err))
+            self._gave_up(err.req_id, str(err))
+            return ready + self._ready
         if out.is_empty:
             return ready
         if self.spec is not None:
@@ -350,7 +384,7 @@ class LLMEngine:
         kv_params = None
         if tracked.remote_prefill and finished:
             kv_params = self.connector.producer_params(
-                req.req_id, self.scheduler.held_tables(req.req_id), req.num_prompt_tokens
+                req.req_id, self.scheduler.held_tables(req.req_id), list(req.prompt_token_ids)
             )
             ids, new, text = [], [], ""
         completion = CompletionOutput(
@@ -379,12 +413,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
         )
         if self.connector is not None:
-            stats.update(
-                transfer_failures=self.connector.failures,
-                transfer_bytes=self.connector.bytes_moved,
-                transfer_bytes_received=self.connector.bytes_received,
-                held_requests=len(s.held),
-            )
+            stats.update(self.connector.stats(), held_requests=len(s.held))
         if self.spec is not None:
             stats.update(self.spec.stats())
         return stats

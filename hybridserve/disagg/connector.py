@@ -6,32 +6,33 @@ prefill engine to a decode engine, with no copy on either side, by READs the dec
 Lifecycle of one request:
   1. Prefill engine (`kv_producer`): the engine computes the prompt except its last token (a
      state-space layer cannot apply that token twice) and the scheduler holds the request's
-     pages. `producer_params` returns the transfer parameters (engine id, side-channel address,
-     block ids per group, token count) and starts a lease (`disagg.producer`).
-  2. Decode engine (`kv_consumer`): the scheduler gives the request what a colocated engine
-     would hold at its first decode step (window groups: their window only; the whole pages of
-     a decode-side prefix hit shared) and says from which token each group must be filled
-     (`RemoteSlots`). `start_transfer` fetches the producer's agent metadata and layouts over
-     the side channel once per producer (sending its own, so that the producer can write to
-     it), plans the transfers of every local rank (heterogeneous TP included) with prepared
-     descriptor lists (once per producer, `disagg.peers`), computes the request's descriptor
-     ids (`SourceRead.span_ids`: only the tokens to fill, never a null page), then
+     pages. `producer_params` returns the transfer parameters (`disagg.params`: engine id and
+     epoch, side-channel address, block ids per group, token count, prompt hash, expiry; signed
+     with the shared secret) and starts a lease (`disagg.producer`).
+  2. Decode engine (`kv_consumer`): `accept_params` parses and checks them when the request
+     arrives (signature, expiry, replay, prompt hash, allowed peer: a forged set fails the
+     request with Forbidden). The producer is found by an authenticated handshake off the
+     engine thread (`disagg.peer_directory`; once per producer epoch; plans with prepared
+     descriptor lists, heterogeneous TP included). The scheduler then gives the request what a
+     colocated engine would hold at its first decode step and says from which token each group
+     must be filled (`RemoteSlots`); `start_transfer` computes the descriptor ids
+     (`SourceRead.span_ids`: only the tokens to fill, never a null page), then
        pull: posts one READ per (local rank, source rank);
        push: sends the producer a `push` note with its tables and fill points.
-  3. Push only: the producer posts the WRITEs (the same plans, seen from the other side), each
-     carrying its part of the `pushed` answer, and frees its pages once they are done.
+  3. Push only: the producer posts the WRITEs, each carrying its part of the `pushed` answer,
+     and frees its pages once they are done.
   4. Pull only: when the READs are done the decode engine sends `read`; the producer answers
      `read_ack`, ok only if it still held the pages (the lease had not expired, so nothing
      overwrote them during the READs), and releases them.
-  5. `poll_consumer` on the decode side reports finished transfers: on success (`read_ack`, or
-     every part of `pushed`, with ok) the request runs from the transferred position; on
-     failure or timeout it recomputes locally (or fails, per `failure_policy`), never decoding
-     on pages that were not filled. Meanwhile `keep_alive` sends the producers `keep`
-     heartbeats (every lease/4) for the requests still waiting (for pages, or for their
-     transfer), which renew leases; `release_remote` tells a producer a request was given up.
+  5. `poll_consumer` reports finished transfers: on success (`read_ack`, or every part of
+     `pushed`, with ok, from that producer's agent) the request runs from the transferred
+     position; on failure or timeout it recomputes locally (or fails, per `failure_policy`),
+     never decoding on pages that were not filled, and the producer is handshaken again before
+     its next transfer. `keep_alive` sends `keep` heartbeats (every lease/4) for the requests
+     still waiting; `release_remote` tells a producer a request was given up.
   6. `poll_producer` on the prefill side releases held pages on `read`, `release`, after its
-     WRITEs, or when a lease expires (the decode side died or forgot the request).
-Notifications: `disagg.notes`.
+     WRITEs, when a lease expires, or when released locally (`release_held`).
+Notifications: `disagg.notes` (typed; anything else is dropped and counted).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ from typing import Any
 from hybridserve.config import KVTransferConfig
 from hybridserve.core.outputs import RemoteSlots
 from hybridserve.disagg.descriptors import RankLayout, check_compatible
-from hybridserve.disagg.handshake import HandshakeError, HandshakeServer, fetch_peer
-from hybridserve.disagg.notes import decode_note, encode_note
+from hybridserve.disagg.handshake import HandshakeError, HandshakeServer
+from hybridserve.disagg.notes import Note, encode_note, parse_note
+from hybridserve.disagg.params import Forbidden, ReplayGuard, TransferParams, peer_allowed
+from hybridserve.disagg.peer_directory import PeerDirectory
 from hybridserve.disagg.peers import Peer, plan_peer
 from hybridserve.disagg.producer import Producer
 from hybridserve.disagg.transport import NixlTransport, TransferError
@@ -58,8 +61,8 @@ from hybridserve.runner.regions import shard_buffers
 class _Transfer:
     """A decode request waiting for its pages: READs in flight (pull) or `pushed` (push)."""
 
-    peer: Any  # (host, port) of the producer (pull and push)
-    remote_req: str  # the producer's req_id
+    peer: Peer
+    params: TransferParams
     xfers: list[Any]
     deadline: float
     nbytes: int  # what lands in this engine's pages
@@ -68,15 +71,16 @@ class _Transfer:
     parts: set[int] = dataclasses.field(default_factory=set)  # push: `pushed` parts received
     result: tuple[bool, str | None] | None = None  # set by `read_ack` or `pushed`
 
-    def pushed(self, note: dict[str, Any]) -> None:
-        """One `pushed` note: a failure ends the transfer; success once every part is in."""
-        if not note.get("ok"):
-            self.result = (False, str(note.get("error")))
-            return
-        part, parts = note.get("part"), note.get("parts")
-        if type(part) is int and type(parts) is int and 0 <= part < max(parts, 1):
-            self.parts.add(part)
-            if len(self.parts) >= parts:
+    def answer(self, note: Note) -> None:
+        """`read_ack`, or one `pushed` part: a failure ends the transfer, success once every
+        part is in."""
+        if not note.ok:
+            self.result = (False, str(note.error))
+        elif note.op == "read_ack":
+            self.result = (True, None)
+        elif note.part < max(note.parts, 1):
+            self.parts.add(note.part)
+            if len(self.parts) >= note.parts:
                 self.result = (True, None)
 
 
@@ -86,6 +90,9 @@ class NixlConnector:
     def __init__(self, config: KVTransferConfig, runner: Any) -> None:
         self.config = config
         self.engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.epoch = uuid.uuid4().hex[:12]  # this process: a restart is a new peer
+        self.agent_name = f"{self.engine_id}:{self.epoch}"
+        self.secret = config.secret_key
         plan, cfg = runner.plan, runner.cfg
         buffers = shard_buffers(runner.regions)
         self.layouts = [
@@ -102,11 +109,11 @@ class NixlConnector:
         mem = "VRAM" if next(iter(runner.regions[0].devices())).platform == "gpu" else "DRAM"
         delay = config.nixl_progress_delay_us
         self.transport = NixlTransport(
-            self.engine_id,
+            self.agent_name,
             [b for rank in buffers for b in rank],
             mem,
             num_threads=config.nixl_threads,
-            progress_delay_us=(0 if mem == "VRAM" else 200) if delay is None else delay,
+            progress_delay_us=(0 if mem == "VRAM" else 1000) if delay is None else delay,
         )
         self.server: HandshakeServer | None = None
         self._joined: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -115,21 +122,40 @@ class NixlConnector:
             config,
             self.transport,
             lambda agent, layouts: plan_peer(self.transport, agent, layouts, mine, push=True),
+            self.epoch,
         )
         if config.is_producer:
             info = {
                 "engine_id": self.engine_id,
-                "agent_name": self.engine_id,
+                "epoch": self.epoch,
+                "agent_name": self.agent_name,
                 "agent_metadata": self.transport.metadata(),
                 "layouts": [layout.to_dict() for layout in self.layouts],
             }
-            self.server = HandshakeServer(info, self._check_peer, config.host, config.port)
-        self.peers: dict[tuple[str, int], Peer] = {}  # producers, by side-channel address
+            self.server = HandshakeServer(
+                info,
+                self._check_peer,
+                config.host,
+                config.port,
+                timeout=config.handshake_timeout_s,
+                secret=self.secret,
+            )
+        self.directory = PeerDirectory(
+            self.transport,
+            self.layouts,
+            self._handshake_request,
+            config.handshake_timeout_s,
+            self.secret,
+        )
         self.pulls: dict[str, _Transfer] = {}
+        self._later: list[tuple[TransferParams, bytes]] = []  # notes waiting for a handshake
+        self._replays = ReplayGuard()
         self._next_keep = 0.0
         self._bytes_moved = 0  # READs posted as consumer
         self.bytes_received = 0  # landed in this engine's pages by completed transfers
         self._failures = 0
+        self.refused_notes = 0  # malformed, or answers from an agent that is not the peer
+        self.join_failures = 0  # decode engines whose metadata NIXL refused
 
     @property
     def bytes_moved(self) -> int:
@@ -141,6 +167,38 @@ class NixlConnector:
         """Failed transfers: decode requests that did not get their pages, pushes refused."""
         return self._failures + self.producer.failures
 
+    def count_failure(self) -> None:
+        """A decode request gave up its transfer before posting it (handshake, no pages)."""
+        self._failures += 1
+
+    @property
+    def handshake_failures(self) -> int:
+        """Handshakes that failed: ours (decode side), refused by our server, or joins NIXL
+        refused."""
+        refused = 0 if self.server is None else self.server.num_refused
+        return self.directory.failures + refused + self.join_failures
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no held pages, transfers, pushes, handshakes or joins."""
+        return not (
+            self.pulls
+            or self._later
+            or self.producer.held
+            or self.producer.pushes
+            or self.directory
+            or not self._joined.empty()
+        )
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "transfer_failures": self.failures,
+            "transfer_bytes": self.bytes_moved,
+            "transfer_bytes_received": self.bytes_received,
+            "handshake_failures": self.handshake_failures,
+            "refused_notes": self.refused_notes + self.producer.refused_notes,
+        }
+
     # -- producer ---------------------------------------------------------------------------
 
     def _check_peer(self, request: dict[str, Any]) -> None:
@@ -148,27 +206,58 @@ class NixlConnector:
         engine thread adds it, NIXL agents are not shared across threads)."""
         check_compatible(self.layouts[0], RankLayout.from_dict(request["layout"]))
         if "agent_metadata" in request:
+            metadata, name = request["agent_metadata"], request.get("agent_name")
+            if not isinstance(metadata, bytes) or not isinstance(name, str):
+                raise ValueError("agent_metadata (bytes) and agent_name (str) are needed")
             layouts = [RankLayout.from_dict(d) for d in request["layouts"]]
             for layout in layouts:
                 check_compatible(self.layouts[0], layout)
-            self._joined.put({"metadata": request["agent_metadata"], "layouts": layouts})
+            self._joined.put({"metadata": metadata, "name": name, "layouts": layouts})
 
     def _add_consumers(self) -> None:
+        """Engine thread: load the metadata of decode engines that joined. A decode engine
+        that handshakes again keeps its agent; a restarted one (same engine id, new epoch)
+        replaces its old agent."""
         while True:
             try:
                 joined = self._joined.get_nowait()
             except queue.Empty:
                 return
-            agent = self.transport.add_peer(joined["metadata"])
-            self.producer.consumer_layouts[agent] = joined["layouts"]
+            producer = self.producer
+            if joined["name"] in self.transport.peers:
+                producer.consumer_layouts[joined["name"]] = joined["layouts"]
+                continue
+            try:
+                agent = self.transport.add_peer(joined["metadata"])
+            except HandshakeError:
+                self.join_failures += 1
+                continue
+            engine = agent.rpartition(":")[0]
+            for old in list(producer.consumer_layouts):
+                if old != agent and old.rpartition(":")[0] == engine:
+                    producer.forget_consumer(old)
+            producer.consumer_layouts[agent] = joined["layouts"]
 
     def producer_params(
-        self, req_id: str, tables: tuple[tuple[int, ...], ...], num_tokens: int
+        self, req_id: str, tables: tuple[tuple[int, ...], ...], token_ids: list[int]
     ) -> dict[str, Any]:
         """Transfer parameters for the decode side; starts the request's lease."""
         assert self.server is not None, "not a kv_producer"
         host, port = self.server.host, self.server.port
-        return self.producer.params(req_id, tables, num_tokens, host, port, self.engine_id)
+        return self.producer.params(req_id, tables, token_ids, host, port, self.engine_id)
+
+    def release_held(self, raw: Any) -> str | None:
+        """Free the held pages named by transfer parameters this engine returned (the proxy
+        saw the decode leg fail). Returns the req_id released, or None (not ours, not held,
+        or a wrong signature)."""
+        if not isinstance(raw, dict) or raw.get("engine_id") != self.engine_id:
+            return None
+        req_id, cap = raw.get("req_id"), raw.get("signature", "")
+        if not isinstance(req_id, str) or not isinstance(cap, str):
+            return None
+        if self.producer._holds(req_id, cap) is None or not self.producer.release(req_id):
+            return None
+        return req_id
 
     def poll_producer(self) -> list[str]:
         """Requests whose held pages can be released: read by the decode side, written by us,
@@ -181,58 +270,77 @@ class NixlConnector:
 
     def _drain(self) -> None:
         """Dispatch every new notification: `read`, `keep`, `push` and `release` to the
-        producer, `read_ack` and `pushed` to the transfers waiting for them."""
+        producer, `read_ack` and `pushed` to the transfers waiting for them (only from the
+        agent they were asked of)."""
         for agent, messages in self.transport.notifications().items():
             for message in messages:
-                note = decode_note(message)
+                note = parse_note(message)
                 if note is None:
+                    self.refused_notes += 1
                     continue
-                op, req_id = note.get("op"), note["req"]
-                pull = self.pulls.get(req_id)
-                if op == "read_ack" and pull is not None:
-                    ok = bool(note.get("ok"))
-                    pull.result = (ok, None if ok else str(note.get("error")))
-                elif op == "pushed" and pull is not None and pull.push:
-                    pull.pushed(note)
-                else:
-                    self.producer.on_note(agent, op, req_id, note)
+                if note.op in ("read_ack", "pushed"):
+                    pull = self.pulls.get(note.req)
+                    if pull is None or pull.peer.agent != agent:
+                        self.refused_notes += 1
+                    elif note.op == "read_ack" or pull.push:
+                        pull.answer(note)
+                elif self.config.is_producer:
+                    self.producer.on_note(agent, note)
 
     # -- consumer ---------------------------------------------------------------------------
 
-    def _peer(self, host: str, port: int) -> Peer:
-        key = (host, port)
-        if key not in self.peers:
-            request = {  # the producer notifies us (read_ack, pushed) and may write to us
-                "layout": self.layouts[0].to_dict(),
-                "agent_metadata": self.transport.metadata(),
-                "layouts": [layout.to_dict() for layout in self.layouts],
-            }
-            info = fetch_peer(host, port, request, timeout=self.config.handshake_timeout_s)
-            remote = {d["tp_rank"]: RankLayout.from_dict(d) for d in info["layouts"]}
-            for layout in remote.values():
-                check_compatible(self.layouts[0], layout)
-            agent = self.transport.add_peer(info["agent_metadata"])
-            self.peers[key] = plan_peer(self.transport, agent, self.layouts, remote, push=False)
-        return self.peers[key]
+    def _handshake_request(self) -> dict[str, Any]:
+        """What we tell a producer (after the proofs): it notifies us and may write to us."""
+        return {
+            "layout": self.layouts[0].to_dict(),
+            "agent_name": self.agent_name,
+            "agent_metadata": self.transport.metadata(),
+            "layouts": [layout.to_dict() for layout in self.layouts],
+        }
 
-    def start_transfer(self, req_id: str, params: dict[str, Any], slots: RemoteSlots) -> None:
+    def accept_params(self, raw: Any, token_ids: list[int]) -> TransferParams:
+        """Decode side, when a request arrives: parse its transfer parameters (ValueError) and
+        refuse (Forbidden) forged, expired, replayed or foreign ones, and producers this engine
+        may not contact. No connection is made here."""
+        params = TransferParams.parse(raw, len(token_ids))
+        if not peer_allowed(
+            params.host, params.port, self.config.allowed_peers, self.secret is not None
+        ):
+            raise Forbidden(
+                f"kv_transfer_params: producer {params.host}:{params.port} is not allowed "
+                "(allowed_peers; without a shared secret only loopback producers)"
+            )
+        params.verify(self.secret, token_ids)
+        self._replays.claim(params)
+        return params
+
+    def peer_for(self, params: TransferParams) -> Peer | None:
+        """The producer of `params` once its handshake is done (None while it runs); raises
+        HandshakeError when it failed."""
+        return self.directory.lookup(params)
+
+    def start_transfer(
+        self, req_id: str, params: TransferParams, slots: RemoteSlots, peer: Peer
+    ) -> None:
         """Fill the pages `slots` names (from token `slots.fill_from[g]` of each group) from
         the producer's pages: post the READs (pull) or ask the producer to WRITE them (push).
-        Raises (nothing posted) on a producer that cannot be reached or whose parameters do
-        not fit its layout."""
-        key = (params["host"], int(params["port"]))
-        peer = self._peer(*key)
+        Raises (nothing posted) on parameters that do not fit the producer's layout or a post
+        NIXL refuses."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        remote_req = str(params.get("req_id", req_id))
         fill, tokens = list(slots.fill_from), slots.num_tokens
-        posts, nbytes = peer.request_ids(slots.block_tables, params["block_tables"], fill, tokens)
+        posts, nbytes = peer.request_ids(slots.block_tables, params.block_tables, fill, tokens)
         if self.config.transfer_mode == "push":
-            tables = [list(t) for t in slots.block_tables]
             note = encode_note(
-                "push", remote_req, dst=req_id, tables=tables, fill=fill, tokens=tokens
+                "push",
+                params.req_id,
+                dst=req_id,
+                cap=params.signature,
+                tables=[list(t) for t in slots.block_tables],
+                fill=fill,
+                tokens=tokens,
             )
             self.transport.notify(peer.agent, note)
-            self.pulls[req_id] = _Transfer(key, remote_req, [], deadline, nbytes, push=True)
+            self.pulls[req_id] = _Transfer(peer, params, [], deadline, nbytes, push=True)
             return
         xfers = []
         try:
@@ -241,37 +349,57 @@ class NixlConnector:
         except TransferError:
             for xfer in xfers:
                 self.transport.release(xfer)
+            self.directory.mark_stale(peer)
             raise
         self._bytes_moved += nbytes
-        self.pulls[req_id] = _Transfer(key, remote_req, xfers, deadline, nbytes)
+        self.pulls[req_id] = _Transfer(peer, params, xfers, deadline, nbytes)
 
-    def release_remote(self, params: dict[str, Any]) -> None:
+    def release_remote(self, params: TransferParams) -> None:
         """Tell a producer that its held pages of a request will not be read (the decode side
-        gave the request up: aborted, waited too long for pages, or its transfer failed), so
-        that it frees them now rather than at the end of the lease. Best effort."""
-        with contextlib.suppress(Exception):  # an unreachable producer: its lease decides
-            key = (params["host"], int(params["port"]))
-            note = encode_note("release", str(params["req_id"]))
-            self.transport.notify(self._peer(*key).agent, note)
+        gave the request up), so that it frees them now rather than at the end of the lease.
+        Best effort, and only to a producer already handshaken (never connects)."""
+        note = encode_note("release", params.req_id, cap=params.signature)
+        peer = self.directory.ready(params)
+        if peer is None and params.peer in self.directory.pending:
+            self._later.append((params, note))  # sent once the handshake is done
+        elif peer is not None:
+            with contextlib.suppress(TransferError):  # a dead producer: its lease decides
+                self.transport.notify(peer.agent, note)
 
-    def keep_alive(self, waiting: list[dict[str, Any]]) -> None:
-        """Every `lease_s / 4` (the producer's lease, from its params), renew the leases of
-        the requests still waiting: `waiting` (params of requests without pages yet) and the
-        transfers in flight. One `keep` notification per producer."""
+    def flush(self) -> None:
+        """Send the notes that waited for their producer's handshake (dropped if it failed:
+        the producer's lease frees the pages)."""
+        later, self._later = self._later, []
+        for params, note in later:
+            if params.peer in self.directory.pending:
+                try:
+                    self.directory.lookup(params)  # joins the handshake once it is done
+                except HandshakeError:
+                    continue
+            peer = self.directory.ready(params)
+            if peer is not None:
+                with contextlib.suppress(TransferError):
+                    self.transport.notify(peer.agent, note)
+            elif params.peer in self.directory.pending:
+                self._later.append((params, note))
+
+    def keep_alive(self, waiting: list[TransferParams]) -> None:
+        """Every `lease_s / 4` (the shortest lease among them), renew the leases of the
+        requests still waiting: `waiting` (without pages yet) and the transfers in flight.
+        One `keep` notification per producer already handshaken."""
         now = time.monotonic()
         if now < self._next_keep:
             return
-        reqs: dict[tuple[str, int], list[str]] = {}
+        reqs: dict[str, list[list[str]]] = {}
         lease = self.config.lease_s
-        for params in waiting:
-            key = (params["host"], int(params["port"]))
-            reqs.setdefault(key, []).append(str(params.get("req_id")))
-            lease = min(lease, float(params.get("lease_s", lease)))
-        for pull in self.pulls.values():
-            reqs.setdefault(pull.peer, []).append(pull.remote_req)
-        for key, ids in reqs.items():
-            with contextlib.suppress(Exception):  # a dead producer: the transfer decides
-                self.transport.notify(self._peer(*key).agent, encode_note("keep", "", reqs=ids))
+        for params in [*waiting, *(p.params for p in self.pulls.values())]:
+            peer = self.directory.ready(params)
+            if peer is not None:
+                reqs.setdefault(peer.agent, []).append([params.req_id, params.signature])
+            lease = min(lease, params.lease_s)
+        for agent, ids in reqs.items():
+            with contextlib.suppress(TransferError):  # a dead producer: the transfer decides
+                self.transport.notify(agent, encode_note("keep", "", reqs=ids))
         self._next_keep = now + lease / 4
 
     def poll_consumer(self) -> list[tuple[str, bool, str | None]]:
@@ -281,31 +409,39 @@ class NixlConnector:
         now = time.monotonic()
         for req_id, pull in list(self.pulls.items()):
             what = "push" if pull.push else "transfer"
+            error = None
             if pull.result is not None:
                 ok, reason = pull.result
-                finished.append((req_id, ok, None if ok else f"{what} failed: {reason}"))
-                self.bytes_received += pull.nbytes if ok else 0
+                if ok:
+                    finished.append((req_id, True, None))
+                    self.bytes_received += pull.nbytes
+                    self._drop(req_id)
+                    continue
+                error = f"{what} failed: {reason}"
+            elif pull.deadline < now:
+                error = f"{what} timed out"
+            elif not (pull.push or pull.read_sent):
+                try:
+                    done = all(self.transport.poll(x) == "DONE" for x in pull.xfers)
+                except TransferError as err:
+                    done, error = False, f"transfer failed: {err}"
+                if done:  # the READs are in: ask the producer whether it held the pages
+                    for xfer in pull.xfers:
+                        self.transport.release(xfer)
+                    pull.xfers, pull.read_sent = [], True
+                    note = encode_note(
+                        "read", pull.params.req_id, dst=req_id, cap=pull.params.signature
+                    )
+                    try:
+                        self.transport.notify(pull.peer.agent, note)
+                    except TransferError as err:
+                        error = f"transfer failed: {err}"
+            if error is not None:
+                finished.append((req_id, False, error))
+                self.directory.mark_stale(pull.peer)
                 self._drop(req_id)
-                continue
-            if pull.deadline < now:
-                finished.append((req_id, False, f"{what} timed out"))
-                self._drop(req_id)
-                continue
-            if pull.push or pull.read_sent:
-                continue
-            try:
-                done = all(self.transport.poll(x) == "DONE" for x in pull.xfers)
-            except TransferError as err:
-                finished.append((req_id, False, f"transfer failed: {err}"))
-                self._drop(req_id)
-                continue
-            if done:  # the READs are in; ask the producer whether it held the pages throughout
-                for xfer in pull.xfers:
-                    self.transport.release(xfer)
-                pull.xfers, pull.read_sent = [], True
-                note = encode_note("read", pull.remote_req, dst=req_id)
-                self.transport.notify(self.peers[pull.peer].agent, note)
         self._failures += sum(1 for _, ok, _ in finished if not ok)
+        self.directory.collect({p.peer.agent for p in self.pulls.values()})
         return finished
 
     def _drop(self, req_id: str) -> None:
@@ -315,7 +451,8 @@ class NixlConnector:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.directory.close()
         self.transport.close()
 
 
-__all__ = ["HandshakeError", "NixlConnector"]
+__all__ = ["Forbidden", "HandshakeError", "NixlConnector"]

@@ -21,6 +21,13 @@ class Peer:
     plans: list[ReadPlan]
     handles: list[list[tuple[Any, Any]]]
     lengths: list[list[list[int]]]
+    epoch: str = ""  # the producer's process identity (its agent is `engine_id:epoch`)
+    stale: bool = False  # a transfer failed: handshake again before the next one
+
+    @property
+    def prepared(self) -> list[Any]:
+        """Every prepared descriptor list of this peer (to release when it is dropped)."""
+        return [h for pairs in self.handles for pair in pairs for h in pair]
 
     def nbytes(self, r: int, s: int, ids: list[int]) -> int:
         lengths = self.lengths[r][s]
@@ -62,14 +69,24 @@ def plan_peer(
     calling engine's memory (the decode side's when pulling, the prefill side's when pushing)
     are prepared locally, the others with the peer's agent name."""
     plans, handles, lengths = [], [], []
-    for local in decode:
-        plan = plan_reads(local, prefill)
-        plans.append(plan)
-        pairs = []
-        for read in plan.reads:
-            decode_h = transport.prepare(read.local_descriptors(), peer=agent if push else None)
-            prefill_h = transport.prepare(read.remote_descriptors(), peer=None if push else agent)
-            pairs.append((decode_h, prefill_h))
-        handles.append(pairs)
-        lengths.append([[d[1] for d in read.local_descriptors()] for read in plan.reads])
+    try:
+        for local in decode:
+            plan = plan_reads(local, prefill)
+            plans.append(plan)
+            pairs: list[tuple[Any, Any]] = []
+            handles.append(pairs)
+            for read in plan.reads:
+                decode_h = transport.prepare(read.local_descriptors(), peer=agent if push else None)
+                try:
+                    prefill_h = transport.prepare(
+                        read.remote_descriptors(), peer=None if push else agent
+                    )
+                except BaseException:
+                    transport.release_prepared([decode_h])
+                    raise
+                pairs.append((decode_h, prefill_h))
+            lengths.append([[d[1] for d in read.local_descriptors()] for read in plan.reads])
+    except BaseException:  # nothing prepared for a peer we cannot plan is kept
+        transport.release_prepared([h for pairs in handles for pair in pairs for h in pair])
+        raise
     return Peer(agent, prefill, plans, handles, lengths)

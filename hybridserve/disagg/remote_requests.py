@@ -1,16 +1,18 @@
 """An engine's P/D requests between its scheduler and its connector.
 
 Decode side, lifecycle of a request whose prompt another engine computed:
-  1. `check_params` (at `add_request`, so a bad request fails there) and `add`: the request
-     waits for pages and a seat, until now + `wait_timeout_s`.
+  1. `NixlConnector.accept_params` (at `add_request`, so a bad or forged request fails there)
+     and `add`: the request waits for its producer's handshake, pages and a seat, until now +
+     `wait_timeout_s`.
   2. Each `poll` (every engine step) first releases the prefill side's held pages that were
      read or whose lease ended, then reports finished transfers to the scheduler (a request
      whose transfer succeeded runs from the transferred position; one that failed recomputes
-     locally or fails, per `failure_policy`), then gives waiting requests their pages
+     locally or fails, per `failure_policy`), then, for each waiting request whose producer is
+     handshaken (`connector.peer_for`, never blocking), gives it its pages
      (`Scheduler.add_remote_request`: the colocated engine's pages at the first decode step,
-     less a decode-side prefix hit) and starts their transfers while pages last; a request
-     still waiting past its deadline is given up the same way. Heartbeats (`keep`) renew the
-     producer's leases of the requests still waiting.
+     less a decode-side prefix hit) and starts its transfer while pages last. A request whose
+     handshake failed, or still waiting past its deadline, is given up the same way.
+     Heartbeats (`keep`) renew the producer's leases of the requests still waiting.
   3. `abort`: a waiting request is dropped at once; one whose pages are being written is
      aborted when its transfer ends (its pages must not be reused before).
 Whenever the decode side gives a request up, the producer is told (`release`) so that it frees
@@ -25,40 +27,18 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridserve.core.scheduler import Scheduler
+from hybridserve.disagg.params import TransferParams
 
 
 @dataclasses.dataclass
 class _Waiting:
     request: Any  # the core Request, not yet in the scheduler
-    params: dict[str, Any]
+    params: TransferParams
     deadline: float
 
     @property
     def req_id(self) -> str:
         return self.request.req_id
-
-
-def check_params(params: dict[str, Any], num_prompt_tokens: int) -> None:
-    """Refuse (ValueError) decode-side transfer parameters that cannot describe this prompt:
-    what a prefill engine's output carries, `num_tokens` in [1, prompt length)."""
-    n = params.get("num_tokens")
-    if type(n) is not int or not 0 < n < num_prompt_tokens:
-        raise ValueError(
-            f"kv_transfer_params: num_tokens must be an integer in [1, {num_prompt_tokens}) "
-            f"for a prompt of {num_prompt_tokens} tokens, got {n!r}"
-        )
-    tables = params.get("block_tables")
-    if not isinstance(tables, list) or not all(
-        isinstance(t, list) and all(type(p) is int for p in t) for t in tables
-    ):
-        raise ValueError("kv_transfer_params: block_tables must be a list of lists of integers")
-    if not isinstance(params.get("host"), str) or type(params.get("port")) is not int:
-        raise ValueError("kv_transfer_params: host (a string) and port (an integer) are needed")
-    if not isinstance(params.get("req_id", ""), str):
-        raise ValueError("kv_transfer_params: req_id must be a string")
-    lease = params.get("lease_s", 1.0)
-    if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease > 0:
-        raise ValueError("kv_transfer_params: lease_s must be a positive number")
 
 
 class RemoteRequests:
@@ -73,15 +53,20 @@ class RemoteRequests:
         self.give_up = give_up
         self.config = connector.config
         self.waiting: list[_Waiting] = []
-        self.params: dict[str, dict[str, Any]] = {}  # req_id -> its producer's parameters
+        self.params: dict[str, TransferParams] = {}  # req_id -> its producer's parameters
         self._abort_after: set[str] = set()  # aborted while its pages are being written
 
     def __bool__(self) -> bool:
         return bool(self.waiting)
 
-    def add(self, request: Any, params: dict[str, Any]) -> None:
-        """Queue a decode-side request (params checked by `check_params`); starts at once
-        when pages are free."""
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting and nothing in flight in the connector (P/D engines poll slowly)."""
+        return not self.waiting and self.connector.idle
+
+    def add(self, request: Any, params: TransferParams) -> None:
+        """Queue a decode-side request (params from `connector.accept_params`); starts at
+        once when its producer is known and pages are free."""
         deadline = time.monotonic() + self.config.wait_timeout_s
         self.waiting.append(_Waiting(request, params, deadline))
         self.params[request.req_id] = params
@@ -103,6 +88,8 @@ class RemoteRequests:
         """Advance every P/D request (module docstring, step 2)."""
         for req_id in self.connector.poll_producer():
             self.scheduler.release_held(req_id)
+        if not self.config.is_consumer:
+            return
         for req_id, ok, reason in self.connector.poll_consumer():
             params = self.params.pop(req_id, None)
             if req_id in self._abort_after:
@@ -116,6 +103,7 @@ class RemoteRequests:
             else:
                 self._failed(req_id, reason or "transfer failed", params)
         self._start()
+        self.connector.flush()
         if self.waiting or self.connector.pulls:
             self.connector.keep_alive([w.params for w in self.waiting])
 
@@ -124,29 +112,44 @@ class RemoteRequests:
         those past their deadline."""
         now, still = time.monotonic(), []
         for w in self.waiting:
-            slots = self.scheduler.add_remote_request(w.request, w.params["num_tokens"])
+            try:
+                peer = self.connector.peer_for(w.params)
+                slots = None
+                if peer is not None:
+                    slots = self.scheduler.add_remote_request(w.request, w.params.num_tokens)
+            except Exception as err:  # the handshake failed, or the scheduler refused it
+                self.connector.count_failure()
+                self._failed(
+                    w.req_id,
+                    f"cannot reach the producer: {err}",
+                    self.params.pop(w.req_id),
+                    w.request,
+                )
+                continue
             if slots is None:
                 if now <= w.deadline:
                     still.append(w)
                     continue
+                self.connector.count_failure()
                 self._failed(
                     w.req_id,
-                    f"no cache pages or seat for its transferred KV within "
-                    f"{self.config.wait_timeout_s:g} s (wait_timeout_s)",
+                    f"no producer handshake, cache pages or seat for its transferred KV "
+                    f"within {self.config.wait_timeout_s:g} s (wait_timeout_s)",
                     self.params.pop(w.req_id),
                     w.request,
                 )
                 continue
             try:
-                self.connector.start_transfer(w.req_id, w.params, slots)
-            except Exception as err:  # handshake, NIXL, or parameters that fit no layout
+                self.connector.start_transfer(w.req_id, w.params, slots, peer)
+            except Exception as err:  # NIXL, or parameters that fit no layout
+                self.connector.count_failure()
                 self._failed(
                     w.req_id, f"cannot start the transfer: {err}", self.params.pop(w.req_id)
                 )
         self.waiting = still
 
     def _failed(
-        self, req_id: str, reason: str, params: dict[str, Any] | None, request: Any = None
+        self, req_id: str, reason: str, params: TransferParams | None, request: Any = None
     ) -> None:
         """The request will not get its KV: tell the producer, then recompute it locally or
         end it with `reason` (policy "fail"). `request`: one the scheduler never saw."""

@@ -132,15 +132,27 @@ class NixlTransport:
         return name
 
     def remove_peer(self, name: str) -> None:
+        """Forget a peer's metadata (its prepared lists must be released first)."""
         if name in self.peers:
-            self.agent.remove_remote_agent(name)
             self.peers.discard(name)
+            self.agent.remove_remote_agent(name)
 
     def prepare(self, descs: list[tuple[int, int, int]], peer: str | None = None) -> Any:
-        """Prepare a descriptor list once: local memory, or `peer`'s memory."""
-        handle = self.agent.prep_xfer_dlist(peer or LOCAL, descs, self.mem_type)
+        """Prepare a descriptor list once: local memory, or `peer`'s memory. Raises
+        TransferError when NIXL refuses it (e.g. memory the peer never registered)."""
+        try:
+            handle = self.agent.prep_xfer_dlist(peer or LOCAL, descs, self.mem_type)
+        except Exception as err:  # the bindings raise plain Exceptions
+            raise TransferError(f"NIXL refused a descriptor list: {err}") from err
         self._handles.append(handle)
         return handle
+
+    def release_prepared(self, handles: list[Any]) -> None:
+        """Release prepared lists before `close` (those of a peer that is dropped)."""
+        for handle in handles:
+            if handle in self._handles:
+                self._handles.remove(handle)
+                handle.release()
 
     def start(
         self,
@@ -156,8 +168,14 @@ class NixlTransport:
             raise ValueError(f"op must be READ or WRITE, got {op!r}")
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local descriptors but {len(remote_ids)} remote")
-        xfer = self.agent.make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif)
-        state = self.agent.transfer(xfer)
+        try:
+            xfer = self.agent.make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif)
+        except Exception as err:  # ids out of the lists' range, or a peer NIXL dropped
+            raise TransferError(f"NIXL refused the {op}: {err}") from err
+        try:
+            state = self.agent.transfer(xfer)
+        except Exception:
+            state = "ERR"
         if state == "ERR":
             self.agent.release_xfer_handle(xfer)
             raise TransferError(f"NIXL could not post the {op}")
@@ -165,7 +183,10 @@ class NixlTransport:
 
     def poll(self, xfer: Any) -> str:
         """ "DONE" or "PROC"; raises TransferError when the transfer failed."""
-        state = self.agent.check_xfer_state(xfer)
+        try:
+            state = self.agent.check_xfer_state(xfer)
+        except Exception as err:
+            raise TransferError(f"NIXL transfer failed: {err}") from err
         if state == "ERR":
             raise TransferError("NIXL transfer failed")
         return state
@@ -183,7 +204,10 @@ class NixlTransport:
         return {(k.decode() if isinstance(k, bytes) else k): v for k, v in notes.items()}
 
     def notify(self, peer: str, message: bytes) -> None:
-        self.agent.send_notif(peer, message)
+        try:
+            self.agent.send_notif(peer, message)
+        except Exception as err:
+            raise TransferError(f"cannot notify {peer}: {err}") from err
 
     def close(self) -> None:
         """Release prepared lists, deregister the memory and drop the agent (idempotent). The

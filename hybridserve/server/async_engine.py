@@ -29,7 +29,9 @@ Lifecycle:
      and exits; `shutdown` joins it, then closes the engine (a P/D engine's NIXL agent and
      handshake server).
 If the engine raises inside the loop, every live stream fails with `EngineDead`, `dead` is set
-(/health answers 503) and the thread exits.
+(/health answers 503, /v1/stats says why) and the thread exits. A bad request or peer never
+gets there: the engine validates requests at `add_request` and the connector fails the request
+or drops the peer involved.
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ class _Abort:
     req_id: str
 
 
+@dataclasses.dataclass
+class _Release:
+    params: dict[str, Any]
+    verdict: asyncio.Future
+
+
 class _Stop:
     pass
 
@@ -132,13 +140,22 @@ class AsyncEngine:
     Args:
       engine: the engine; from `start()` on, only the engine thread may touch it.
       max_queue: most live (waiting + running) requests; beyond, `add_request` raises QueueFull.
-      poll_interval_s: idle polling period of a P/D engine (`engine.config.kv_transfer` set).
+      poll_interval_s: polling period of a P/D engine (`engine.config.kv_transfer` set) with
+        transfers in flight.
+      idle_poll_s: its polling period with no P/D work in flight.
     """
 
-    def __init__(self, engine: LLMEngine, max_queue: int = 256, poll_interval_s: float = 0.001):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queue: int = 256,
+        poll_interval_s: float = 0.001,
+        idle_poll_s: float = 0.1,
+    ):
         self.engine = engine
         self.max_queue = max_queue
         self.poll_interval_s = poll_interval_s
+        self.idle_poll_s = idle_poll_s
         self._polls = engine.config.kv_transfer is not None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # event-loop side: admitted, not yet ended or closed
@@ -174,8 +191,24 @@ class AsyncEngine:
         self._accepting = False
 
     def stats(self) -> dict[str, Any]:
-        """The latest snapshot: `engine.stats()` plus pages in use, queue depth, transfer GB/s."""
-        return {**self._stats, "queue_depth": self.num_live, "max_queue": self.max_queue}
+        """The latest snapshot: `engine.stats()` plus pages in use, queue depth, transfer GB/s,
+        and `engine_dead` (why the engine loop ended, or None)."""
+        dead = None if self.dead is None else f"{type(self.dead).__name__}: {self.dead}"
+        return {
+            **self._stats,
+            "queue_depth": self.num_live,
+            "max_queue": self.max_queue,
+            "engine_dead": dead,
+        }
+
+    async def release_kv(self, params: dict[str, Any]) -> bool:
+        """Prefill side: free the held pages named by transfer parameters this engine
+        returned (`LLMEngine.release_kv`); False when nothing was released."""
+        if self._loop is None or self.dead is not None or self._thread is None:
+            return False
+        verdict = self._loop.create_future()
+        self._commands.put(_Release(params, verdict))
+        return bool(await verdict)
 
     async def add_request(
         self,
@@ -257,6 +290,13 @@ class AsyncEngine:
 
         self._loop.call_soon_threadsafe(settle)
 
+    def _settle_value(self, verdict: asyncio.Future, value: Any) -> None:
+        def settle() -> None:
+            if not verdict.done():
+                verdict.set_result(value)
+
+        self._loop.call_soon_threadsafe(settle)
+
     def _run(self) -> None:
         try:
             self._loop_forever()
@@ -287,8 +327,10 @@ class AsyncEngine:
             busy = engine.has_unfinished()
             if worked:
                 wait = 0.0
-            elif busy or self._polls:
+            elif busy or (self._polls and not engine.transfers_idle):
                 wait = self.poll_interval_s
+            elif self._polls:
+                wait = self.idle_poll_s  # late notes of released requests can wait that long
             else:
                 wait = None  # nothing to do until a command arrives
 
@@ -308,6 +350,12 @@ class AsyncEngine:
             elif isinstance(command, _Abort) and command.req_id in self._streams:
                 self._forget(command.req_id)
                 self.engine.abort_request(command.req_id)
+            elif isinstance(command, _Release):
+                try:
+                    released = self.engine.release_kv(command.params)
+                except Exception:  # parameters of any shape: just not released
+                    released = False
+                self._settle_value(command.verdict, released)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -320,8 +368,9 @@ class AsyncEngine:
             )
         except Exception as err:  # a bad request: the engine must not keep any of it
             self.engine.abort_request(command.req_id)
-            reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-            self._settle(command.verdict, ValueError(reason))
+            if not isinstance(err, ValueError):  # (Forbidden, a ValueError, keeps its type)
+                err = ValueError(f"{type(err).__name__}: {err}")
+            self._settle(command.verdict, err)
             return
         self._streams[command.req_id] = (command.outputs, command.deadline)
         self._settle(command.verdict, None)
@@ -363,6 +412,8 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 self._settle(command.verdict, error)
+            elif isinstance(command, _Release):
+                self._settle_value(command.verdict, False)
 
     def _publish(self) -> None:
         """Snapshot the engine's statistics (read by the event loop without locking)."""

@@ -168,5 +168,5 @@ def test_dead_prefill_engine_recomputes_or_fails_with_a_reason(hf_checkpoint, po
     else:
         for o in outs:
             assert o.outputs[0].finish_reason == "abort"
-            assert "cannot start the transfer" in o.outputs[0].stop_reason
+            assert "cannot reach the producer" in o.outputs[0].stop_reason
     assert decode.engine.scheduler.coordinator.pool.num_used == 0

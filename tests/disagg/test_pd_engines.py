@@ -176,14 +176,19 @@ def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
     )
     params = out.kv_transfer_params
     assert params["lease_s"] == lease
-    leases = prefill.engine.connector.producer.leases
-    first = leases[params["req_id"]]  # the deadline, in time.monotonic() seconds
+    held = prefill.engine.connector.producer.held[params["req_id"]]
+    first = held.deadline  # the end of the lease, in time.monotonic() seconds
+    consumer = decode.engine.connector
+    typed = consumer.accept_params(params, list(range(3, 30)))
+    with _serving(prefill):  # the handshake runs off the engine thread
+        while consumer.peer_for(typed) is None:
+            time.sleep(0.01)
     time.sleep(0.5)
-    decode.engine.connector.keep_alive([params])  # a request still waiting for decode pages
-    while leases[params["req_id"]] == first and time.monotonic() < first - 0.5:
+    consumer.keep_alive([typed])  # a request still waiting for decode pages
+    while held.deadline == first and time.monotonic() < first - 0.5:
         prefill.engine.poll_transfers()
         time.sleep(0.01)
-    assert leases[params["req_id"]] >= first + 0.4
+    assert held.deadline >= first + 0.4
     time.sleep(max(0.0, first - time.monotonic()) + 0.5)  # past the first deadline
     prefill.engine.poll_transfers()
     assert params["req_id"] in prefill.engine.scheduler.held

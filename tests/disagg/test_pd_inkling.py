@@ -192,7 +192,7 @@ def test_kv_both_engines_and_a_failed_transfer_register_only_valid_units(engines
         GREEDY,
         use_tqdm=False,
     )
-    a.engine.connector.producer.leases[out.kv_transfer_params["req_id"]] = 0.0  # it ended
+    a.engine.connector.producer.held[out.kv_transfer_params["req_id"]].deadline = 0.0  # ended
     a.engine.poll_transfers()
     assert not a.engine.scheduler.held
     failures = b.engine.stats()["transfer_failures"]
