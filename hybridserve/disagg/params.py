@@ -37,6 +37,14 @@ class Forbidden(ValueError):
     (HTTP 403)."""
 
 
+def same(a: str, b: str) -> bool:
+    """Constant-time equality of two strings of any characters (`hmac.compare_digest` refuses
+    non-ASCII str)."""
+    return hmac.compare_digest(
+        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass")
+    )
+
+
 def prompt_hash(token_ids: Sequence[int]) -> str:
     """SHA-256 (hex) of token ids as int64 little-endian."""
     digest = hashlib.sha256()
@@ -151,11 +159,11 @@ class TransferParams:
         parameters computed for other tokens than `token_ids[:num_tokens]`."""
         if secret is not None:
             want = hmac.new(secret, self._payload(), hashlib.sha256).hexdigest()
-            if not hmac.compare_digest(want, self.signature):
+            if not same(want, self.signature):
                 raise Forbidden("kv_transfer_params: the signature does not verify")
             if (time.time() if now is None else now) > self.expires:
                 raise Forbidden("kv_transfer_params: expired (the prefill lease is over)")
-        if not hmac.compare_digest(prompt_hash(token_ids[: self.num_tokens]), self.prompt_hash):
+        if not same(prompt_hash(token_ids[: self.num_tokens]), self.prompt_hash):
             raise Forbidden("kv_transfer_params: computed for a different prompt")
 
 

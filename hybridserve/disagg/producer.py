@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 from hybridserve.config import KVTransferConfig
 from hybridserve.disagg.descriptors import RankLayout
 from hybridserve.disagg.notes import Note, encode_note
-from hybridserve.disagg.params import TransferParams, prompt_hash
+from hybridserve.disagg.params import TransferParams, prompt_hash, same
 from hybridserve.disagg.peers import Peer
 from hybridserve.disagg.transport import NixlTransport, TransferError
 
@@ -118,7 +117,7 @@ class Producer:
     def _holds(self, req_id: str, cap: str) -> _Held | None:
         """The held request a note may act on: held here, and with the right capability."""
         held = self.held.get(req_id)
-        if held is None or (self.secret is not None and not hmac.compare_digest(held.cap, cap)):
+        if held is None or (self.secret is not None and not same(held.cap, cap)):
             self.refused_notes += 1
             return None
         return held

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from hybridserve.disagg.params import Forbidden
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.server import protocol as P
@@ -270,6 +271,8 @@ class OpenAIServing:
             raise APIError(
                 503, str(err), "service_unavailable", code="unavailable", headers=retry
             ) from err
+        except Forbidden as err:  # forged, expired or replayed kv_transfer_params
+            raise APIError(403, str(err), "permission_error", code="forbidden") from err
         except ValueError as err:
             raise APIError(400, str(err)) from err
         track = _Track(self.metrics, req_id, arrival)
