@@ -138,7 +138,13 @@ class DisaggregatedLLM:
         with tqdm(total=len(pending), desc="generating", disable=not use_tqdm) as bar:
             while len(done) < len(pending):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(pending) - len(done)} requests unfinished")
+                    late = [r for r in pending if r not in done]
+                    for req_id in late:  # both workers free what they hold of them
+                        self.prefill.send({"op": "abort", "req_id": req_id})
+                        self.decode.send({"op": "abort", "req_id": req_id})
+                    raise TimeoutError(
+                        f"{len(late)} requests unfinished after {timeout:g} s (aborted)"
+                    )
                 for worker, forward in ((self.prefill, True), (self.decode, False)):
                     self._pump(worker, pending, first_token, params, done, start, bar, forward)
         return [done[r] for r in pending]
@@ -161,6 +167,8 @@ class DisaggregatedLLM:
         if message is None or "output" not in message:
             return
         out = message["output"]
+        if out["req_id"] not in pending or out["req_id"] in done:
+            return  # a request of an earlier call that timed out
         prompt, ids = pending[out["req_id"]]
         if forward and "error" not in out:
             first_token[out["req_id"]] = time.perf_counter()

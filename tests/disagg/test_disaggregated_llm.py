@@ -3,6 +3,7 @@ and what happens when one side dies or never reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -97,8 +98,10 @@ def test_decode_process_killed_mid_transfer_frees_prefill_pages(hf_checkpoint):
 
 
 def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
+    """Also: a one-token prompt (nothing to transfer: the decode side prefills it), and a call
+    that times out aborts its requests in both workers and leaves the object usable."""
     directory = hf_checkpoint("nemotron_h")[0]
-    prompts = _prompts(32)
+    prompts = [*_prompts(31), {"prompt_token_ids": [7]}]
     want = _colocated(directory, prompts)
     with DisaggregatedLLM(
         directory,
@@ -134,6 +137,17 @@ def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
         while llm.stats()["prefill"]["pages_used"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert llm.stats()["prefill"]["pages_used"] == 0 and llm.stats()["prefill"]["held"] == 0
+        long = dataclasses.replace(GREEDY, max_tokens=70)
+        with pytest.raises(TimeoutError, match=r"4 requests unfinished after .* \(aborted\)"):
+            llm.generate(prompts[:4], long, use_tqdm=False, timeout=0.05)
+        again = llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == want[:4]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            s["pages_used"] or s["held"] for s in llm.stats().values()
+        ):
+            time.sleep(0.2)
+        assert all(s["pages_used"] == 0 and s["held"] == 0 for s in llm.stats().values())
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
