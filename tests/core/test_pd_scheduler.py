@@ -248,3 +248,46 @@ def test_pd_soak(kinds, num_pages, seed):
         assert request.output_token_ids == reference(request, max_len)[0], request.req_id
     assert s.prefix_cache_stats.hit_tokens > 0
     assert s.coordinator.pool.num_used == 0 and s.coordinator.transient_pages == []
+
+
+def _hold(s: Scheduler, req_id: str, first: int) -> None:
+    """A finished prefill-for-decode request of 39 tokens (4 pages) whose pages are held."""
+    s.add_request(make_request(req_id, range(first, first + 39), max_tokens=1, hold_pages=True))
+    while req_id not in s.held:
+        _run(s)
+
+
+def test_a_request_that_does_not_fit_beside_held_pages_waits_instead_of_failing():
+    # 11 usable pages; two held prompts take 8, so a third (4 pages) cannot fit now but will
+    # once the held pages come back: it waits, and a running request that outgrows the free
+    # pages is preempted (not PoolTooSmall) and finishes after the release.
+    s = Scheduler(make_plan("MA"), 12, make_config(max_held_fraction=1.0))
+    _hold(s, "h1", 100)
+    _hold(s, "h2", 200)
+    assert s.held_pages == 8 == s.coordinator.pool.num_used
+    grower = make_request("g", range(1, 10), max_tokens=60)
+    s.add_request(grower)
+    for _ in range(30):
+        _run(s)
+    assert grower.num_preemptions >= 1 and grower.status is not RequestStatus.RUNNING
+    s.add_request(make_request("w", range(1, 40), max_tokens=2))
+    out, _ = _run(s)
+    assert not any(c.req_id == "w" for c in out.chunks)  # waits, nothing raised
+    assert s.release_held("h1") and s.release_held("h2") and s.held_pages == 0
+    while s.has_unfinished():
+        _run(s)
+    assert len(grower.output_token_ids) == 60 and s.coordinator.pool.num_used == 0
+
+
+def test_held_pages_are_capped():
+    s = Scheduler(make_plan("MA"), 33, make_config(max_held_fraction=0.25))  # cap: 8 pages
+    _hold(s, "h1", 100)
+    _hold(s, "h2", 200)
+    s.add_request(make_request("h3", range(300, 339), max_tokens=1, hold_pages=True))
+    for _ in range(5):
+        out, _ = _run(s)
+        assert not out.chunks  # past the cap: the next prefill-for-decode request waits
+    s.release_held("h1")
+    while "h3" not in s.held:
+        _run(s)
+    assert s.held_pages == 8
