@@ -284,8 +284,8 @@ class KVTransferConfig:
     `transfer_mode` (decode side): "pull" (the decode engine READs) or "push" (it asks the
     prefill engine to WRITE). `nixl_threads`: worker threads of NIXL's UCX backend (0: none).
     `nixl_progress_delay_us`: the pause of the NIXL agent's progress thread between passes
-    (None: 0 on GPUs, where it spins as vLLM's does; 200 on host memory, where a spinning
-    thread takes a whole core of the machine per agent).
+    (None: 0 on GPUs, where it spins as vLLM's does; 10,000 on host memory, where a spinning
+    thread takes a whole core of the machine per agent and an idle instance should sleep).
     `wait_timeout_s` (decode side): how long a request may wait for cache pages or a seat
     before its transfer starts; past it the request recomputes locally or fails (per
     `failure_policy`) and the prefill engine is told to free its pages.

@@ -113,7 +113,7 @@ class NixlConnector:
             [b for rank in buffers for b in rank],
             mem,
             num_threads=config.nixl_threads,
-            progress_delay_us=(0 if mem == "VRAM" else 1000) if delay is None else delay,
+            progress_delay_us=(0 if mem == "VRAM" else 10_000) if delay is None else delay,
         )
         self.server: HandshakeServer | None = None
         self._joined: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()

@@ -9,7 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -124,3 +126,24 @@ def test_a_failed_decode_leg_frees_the_prefill_pages_at_once(deployment):
         assert wait_until(lambda: state.stats.releases_sent == 1, 30)
     assert state.stats.release_failures == 0
     assert prefill.idle(30), prefill.stats()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_idle_pd_pair_sleeps(deployment):
+    """Nothing in flight for 30 s (the proxy's health checks still arrive): each P/D process
+    uses under 2% of a core (NIXL progress threads paused, the engine thread polling slowly)."""
+    _, prefill, decode, _ = deployment
+    assert prefill.idle(60) and decode.idle(60)
+    pids = [prefill.proc.pid, decode.proc.pid]
+    before, start = [_cpu_seconds(p) for p in pids], time.monotonic()
+    time.sleep(30)
+    wall = time.monotonic() - start
+    shares = [(_cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]
+    assert all(share < 0.02 for share in shares), shares
