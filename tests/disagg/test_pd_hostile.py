@@ -349,3 +349,42 @@ def test_fuzzed_kv_transfer_params_end_nothing(pair):
     prefill.engine.release_kv(genuine)
     prefill.engine.poll_transfers()
     _assert_still_serving(pair)
+
+
+def test_a_restarted_prefill_engine_is_a_new_peer(pair, hf_checkpoint):
+    """A prefill engine restarted at the same address and engine id: parameters of the old
+    process fail with a reason (its pages are gone) and recompute, and the new process's
+    parameters are served after a fresh handshake, with nothing refused by NIXL."""
+    _, decode, prompts, expected = pair
+    directory = hf_checkpoint("nemotron_h")[0]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kv = {"engine_id": "restarted", "port": port}
+    first = _llm(directory, "kv_producer", **kv)
+    old = _prefill(first, prompts[0])
+    with _serving(first):  # the decode engine learns the first process
+        decode.generate(
+            [{"prompt_token_ids": prompts[0], "kv_transfer_params": old}], GREEDY, use_tqdm=False
+        )
+    old = _prefill(first, prompts[0])
+    first.close()
+    second = _llm(directory, "kv_producer", **kv)
+    try:
+        new = _prefill(second, prompts[1])
+        assert new["epoch"] != old["epoch"] and new["port"] == old["port"]
+        failures = decode.engine.stats()["transfer_failures"]
+        with _serving(second):
+            outs = decode.generate(
+                [
+                    {"prompt_token_ids": prompts[0], "kv_transfer_params": old},
+                    {"prompt_token_ids": prompts[1], "kv_transfer_params": new},
+                ],
+                GREEDY,
+                use_tqdm=False,
+            )
+        assert [o.outputs[0].token_ids for o in outs] == expected  # the old one recomputed
+        assert decode.engine.stats()["transfer_failures"] == failures + 1
+        assert not second.engine.scheduler.held
+    finally:
+        second.close()
