@@ -210,7 +210,7 @@ class LLMEngine:
         if "block_tables" in remote:
             if not self.connector.config.is_consumer:
                 raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
-            transfer = self.connector.accept_params(remote, ids)  # ValueError, Forbidden
+            transfer = self.connector.consumer.accept_params(remote, ids)  # ValueError, Forbidden
         if req_id is None:
             req_id = f"req-{self._counter}"
         if req_id in self._tracked:

@@ -9,14 +9,14 @@ Lifecycle of one request:
      pages. `producer_params` returns the transfer parameters (`disagg.params`: engine id and
      epoch, side-channel address, block ids per group, token count, prompt hash, expiry; signed
      with the shared secret) and starts a lease (`disagg.producer`).
-  2. Decode engine (`kv_consumer`): `accept_params` parses and checks them when the request
-     arrives (signature, expiry, replay, prompt hash, allowed peer: a forged set fails the
-     request with Forbidden). The producer is found by an authenticated handshake off the
-     engine thread (`disagg.peer_directory`; once per producer epoch; plans with prepared
-     descriptor lists, heterogeneous TP included). The scheduler then gives the request what a
-     colocated engine would hold at its first decode step and says from which token each group
-     must be filled (`RemoteSlots`); `start_transfer` computes the descriptor ids
-     (`SourceRead.span_ids`: only the tokens to fill, never a null page), then
+  2. Decode engine (`kv_consumer`, `disagg.consumer`): `accept_params` parses and checks them
+     when the request arrives (signature, expiry, replay, prompt hash, allowed peer: a forged
+     set fails the request with Forbidden). The producer is found by an authenticated
+     handshake off the engine thread (`disagg.peer_directory`; once per producer epoch; plans
+     with prepared descriptor lists, heterogeneous TP included). The scheduler then gives the
+     request what a colocated engine would hold at its first decode step and says from which
+     token each group must be filled (`RemoteSlots`); `start_transfer` computes the descriptor
+     ids (`SourceRead.span_ids`: only the tokens to fill, never a null page), then
        pull: posts one READ per (local rank, source rank);
        push: sends the producer a `push` note with its tables and fill points.
   3. Push only: the producer posts the WRITEs, each carrying its part of the `pushed` answer,
@@ -37,51 +37,20 @@ Notifications: `disagg.notes` (typed; anything else is dropped and counted).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import queue
-import time
 import uuid
 from typing import Any
 
 from hybridserve.config import KVTransferConfig
-from hybridserve.core.outputs import RemoteSlots
+from hybridserve.disagg.consumer import Consumer
 from hybridserve.disagg.descriptors import RankLayout, check_compatible
 from hybridserve.disagg.handshake import HandshakeError, HandshakeServer
-from hybridserve.disagg.notes import Note, encode_note, parse_note
-from hybridserve.disagg.params import Forbidden, ReplayGuard, TransferParams, peer_allowed
-from hybridserve.disagg.peer_directory import PeerDirectory
-from hybridserve.disagg.peers import Peer, plan_peer
+from hybridserve.disagg.notes import parse_note
+from hybridserve.disagg.params import Forbidden
+from hybridserve.disagg.peers import plan_peer
 from hybridserve.disagg.producer import Producer
-from hybridserve.disagg.transport import NixlTransport, TransferError
+from hybridserve.disagg.transport import NixlTransport
 from hybridserve.runner.regions import shard_buffers
-
-
-@dataclasses.dataclass
-class _Transfer:
-    """A decode request waiting for its pages: READs in flight (pull) or `pushed` (push)."""
-
-    peer: Peer
-    params: TransferParams
-    xfers: list[Any]
-    deadline: float
-    nbytes: int  # what lands in this engine's pages
-    push: bool = False
-    read_sent: bool = False  # pull: the READs are done and `read` went out
-    parts: set[int] = dataclasses.field(default_factory=set)  # push: `pushed` parts received
-    result: tuple[bool, str | None] | None = None  # set by `read_ack` or `pushed`
-
-    def answer(self, note: Note) -> None:
-        """`read_ack`, or one `pushed` part: a failure ends the transfer, success once every
-        part is in."""
-        if not note.ok:
-            self.result = (False, str(note.error))
-        elif note.op == "read_ack":
-            self.result = (True, None)
-        elif note.part < max(note.parts, 1):
-            self.parts.add(note.part)
-            if len(self.parts) >= note.parts:
-                self.result = (True, None)
 
 
 class NixlConnector:
@@ -140,63 +109,45 @@ class NixlConnector:
                 timeout=config.handshake_timeout_s,
                 secret=self.secret,
             )
-        self.directory = PeerDirectory(
-            self.transport,
-            self.layouts,
-            self._handshake_request,
-            config.handshake_timeout_s,
-            self.secret,
-        )
-        self.pulls: dict[str, _Transfer] = {}
-        self._later: list[tuple[TransferParams, bytes]] = []  # notes waiting for a handshake
-        self._replays = ReplayGuard()
-        self._next_keep = 0.0
-        self._bytes_moved = 0  # READs posted as consumer
-        self.bytes_received = 0  # landed in this engine's pages by completed transfers
-        self._failures = 0
-        self.refused_notes = 0  # malformed, or answers from an agent that is not the peer
+        self.consumer = Consumer(config, self.transport, self.layouts, self.agent_name)
+        self.refused_notes = 0  # notifications that are not valid notes
         self.join_failures = 0  # decode engines whose metadata NIXL refused
 
     @property
     def bytes_moved(self) -> int:
         """Bytes posted by this engine: READs as consumer, WRITEs as producer."""
-        return self._bytes_moved + self.producer.bytes_moved
+        return self.consumer.bytes_moved + self.producer.bytes_moved
 
     @property
     def failures(self) -> int:
         """Failed transfers: decode requests that did not get their pages, pushes refused."""
-        return self._failures + self.producer.failures
-
-    def count_failure(self) -> None:
-        """A decode request gave up its transfer before posting it (handshake, no pages)."""
-        self._failures += 1
+        return self.consumer.failures + self.producer.failures
 
     @property
     def handshake_failures(self) -> int:
         """Handshakes that failed: ours (decode side), refused by our server, or joins NIXL
         refused."""
         refused = 0 if self.server is None else self.server.num_refused
-        return self.directory.failures + refused + self.join_failures
+        return self.consumer.directory.failures + refused + self.join_failures
 
     @property
     def idle(self) -> bool:
         """Nothing in flight: no held pages, transfers, pushes, handshakes or joins."""
-        return not (
-            self.pulls
-            or self._later
-            or self.producer.held
-            or self.producer.pushes
-            or self.directory
-            or not self._joined.empty()
+        return (
+            self.consumer.idle
+            and not (self.producer.held or self.producer.pushes)
+            and self._joined.empty()
         )
 
     def stats(self) -> dict[str, int]:
         return {
             "transfer_failures": self.failures,
             "transfer_bytes": self.bytes_moved,
-            "transfer_bytes_received": self.bytes_received,
+            "transfer_bytes_received": self.consumer.bytes_received,
             "handshake_failures": self.handshake_failures,
-            "refused_notes": self.refused_notes + self.producer.refused_notes,
+            "refused_notes": (
+                self.refused_notes + self.consumer.refused_notes + self.producer.refused_notes
+            ),
         }
 
     # -- producer ---------------------------------------------------------------------------
@@ -279,179 +230,21 @@ class NixlConnector:
                     self.refused_notes += 1
                     continue
                 if note.op in ("read_ack", "pushed"):
-                    pull = self.pulls.get(note.req)
-                    if pull is None or pull.peer.agent != agent:
-                        self.refused_notes += 1
-                    elif note.op == "read_ack" or pull.push:
-                        pull.answer(note)
+                    self.consumer.answer(agent, note)
                 elif self.config.is_producer:
                     self.producer.on_note(agent, note)
 
     # -- consumer ---------------------------------------------------------------------------
 
-    def _handshake_request(self) -> dict[str, Any]:
-        """What we tell a producer (after the proofs): it notifies us and may write to us."""
-        return {
-            "layout": self.layouts[0].to_dict(),
-            "agent_name": self.agent_name,
-            "agent_metadata": self.transport.metadata(),
-            "layouts": [layout.to_dict() for layout in self.layouts],
-        }
-
-    def accept_params(self, raw: Any, token_ids: list[int]) -> TransferParams:
-        """Decode side, when a request arrives: parse its transfer parameters (ValueError) and
-        refuse (Forbidden) forged, expired, replayed or foreign ones, and producers this engine
-        may not contact. No connection is made here."""
-        params = TransferParams.parse(raw, len(token_ids))
-        if not peer_allowed(
-            params.host, params.port, self.config.allowed_peers, self.secret is not None
-        ):
-            raise Forbidden(
-                f"kv_transfer_params: producer {params.host}:{params.port} is not allowed "
-                "(allowed_peers; without a shared secret only loopback producers)"
-            )
-        params.verify(self.secret, token_ids)
-        self._replays.claim(params)
-        return params
-
-    def peer_for(self, params: TransferParams) -> Peer | None:
-        """The producer of `params` once its handshake is done (None while it runs); raises
-        HandshakeError when it failed."""
-        return self.directory.lookup(params)
-
-    def start_transfer(
-        self, req_id: str, params: TransferParams, slots: RemoteSlots, peer: Peer
-    ) -> None:
-        """Fill the pages `slots` names (from token `slots.fill_from[g]` of each group) from
-        the producer's pages: post the READs (pull) or ask the producer to WRITE them (push).
-        Raises (nothing posted) on parameters that do not fit the producer's layout or a post
-        NIXL refuses."""
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        fill, tokens = list(slots.fill_from), slots.num_tokens
-        posts, nbytes = peer.request_ids(slots.block_tables, params.block_tables, fill, tokens)
-        if self.config.transfer_mode == "push":
-            note = encode_note(
-                "push",
-                params.req_id,
-                dst=req_id,
-                cap=params.signature,
-                tables=[list(t) for t in slots.block_tables],
-                fill=fill,
-                tokens=tokens,
-            )
-            self.transport.notify(peer.agent, note)
-            self.pulls[req_id] = _Transfer(peer, params, [], deadline, nbytes, push=True)
-            return
-        xfers = []
-        try:
-            for local_h, local_ids, remote_h, remote_ids in posts:
-                xfers.append(self.transport.start("READ", local_h, local_ids, remote_h, remote_ids))
-        except TransferError:
-            for xfer in xfers:
-                self.transport.release(xfer)
-            self.directory.mark_stale(peer)
-            raise
-        self._bytes_moved += nbytes
-        self.pulls[req_id] = _Transfer(peer, params, xfers, deadline, nbytes)
-
-    def release_remote(self, params: TransferParams) -> None:
-        """Tell a producer that its held pages of a request will not be read (the decode side
-        gave the request up), so that it frees them now rather than at the end of the lease.
-        Best effort, and only to a producer already handshaken (never connects)."""
-        note = encode_note("release", params.req_id, cap=params.signature)
-        peer = self.directory.ready(params)
-        if peer is None and params.peer in self.directory.pending:
-            self._later.append((params, note))  # sent once the handshake is done
-        elif peer is not None:
-            with contextlib.suppress(TransferError):  # a dead producer: its lease decides
-                self.transport.notify(peer.agent, note)
-
-    def flush(self) -> None:
-        """Send the notes that waited for their producer's handshake (dropped if it failed:
-        the producer's lease frees the pages)."""
-        later, self._later = self._later, []
-        for params, note in later:
-            if params.peer in self.directory.pending:
-                try:
-                    self.directory.lookup(params)  # joins the handshake once it is done
-                except HandshakeError:
-                    continue
-            peer = self.directory.ready(params)
-            if peer is not None:
-                with contextlib.suppress(TransferError):
-                    self.transport.notify(peer.agent, note)
-            elif params.peer in self.directory.pending:
-                self._later.append((params, note))
-
-    def keep_alive(self, waiting: list[TransferParams]) -> None:
-        """Every `lease_s / 4` (the shortest lease among them), renew the leases of the
-        requests still waiting: `waiting` (without pages yet) and the transfers in flight.
-        One `keep` notification per producer already handshaken."""
-        now = time.monotonic()
-        if now < self._next_keep:
-            return
-        reqs: dict[str, list[list[str]]] = {}
-        lease = self.config.lease_s
-        for params in [*waiting, *(p.params for p in self.pulls.values())]:
-            peer = self.directory.ready(params)
-            if peer is not None:
-                reqs.setdefault(peer.agent, []).append([params.req_id, params.signature])
-            lease = min(lease, params.lease_s)
-        for agent, ids in reqs.items():
-            with contextlib.suppress(TransferError):  # a dead producer: the transfer decides
-                self.transport.notify(agent, encode_note("keep", "", reqs=ids))
-        self._next_keep = now + lease / 4
-
     def poll_consumer(self) -> list[tuple[str, bool, str | None]]:
-        """Finished transfers: (req_id, ok, reason when not ok). Notifies producers of reads."""
+        """Finished decode-side transfers (`Consumer.poll`), after dispatching notifications."""
         self._drain()
-        finished = []
-        now = time.monotonic()
-        for req_id, pull in list(self.pulls.items()):
-            what = "push" if pull.push else "transfer"
-            error = None
-            if pull.result is not None:
-                ok, reason = pull.result
-                if ok:
-                    finished.append((req_id, True, None))
-                    self.bytes_received += pull.nbytes
-                    self._drop(req_id)
-                    continue
-                error = f"{what} failed: {reason}"
-            elif pull.deadline < now:
-                error = f"{what} timed out"
-            elif not (pull.push or pull.read_sent):
-                try:
-                    done = all(self.transport.poll(x) == "DONE" for x in pull.xfers)
-                except TransferError as err:
-                    done, error = False, f"transfer failed: {err}"
-                if done:  # the READs are in: ask the producer whether it held the pages
-                    for xfer in pull.xfers:
-                        self.transport.release(xfer)
-                    pull.xfers, pull.read_sent = [], True
-                    note = encode_note(
-                        "read", pull.params.req_id, dst=req_id, cap=pull.params.signature
-                    )
-                    try:
-                        self.transport.notify(pull.peer.agent, note)
-                    except TransferError as err:
-                        error = f"transfer failed: {err}"
-            if error is not None:
-                finished.append((req_id, False, error))
-                self.directory.mark_stale(pull.peer)
-                self._drop(req_id)
-        self._failures += sum(1 for _, ok, _ in finished if not ok)
-        self.directory.collect({p.peer.agent for p in self.pulls.values()})
-        return finished
-
-    def _drop(self, req_id: str) -> None:
-        for xfer in self.pulls.pop(req_id).xfers:
-            self.transport.release(xfer)
+        return self.consumer.poll()
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        self.directory.close()
+        self.consumer.close()
         self.transport.close()
 
 

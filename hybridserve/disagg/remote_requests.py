@@ -1,14 +1,14 @@
 """An engine's P/D requests between its scheduler and its connector.
 
 Decode side, lifecycle of a request whose prompt another engine computed:
-  1. `NixlConnector.accept_params` (at `add_request`, so a bad or forged request fails there)
+  1. `Consumer.accept_params` (at `add_request`, so a bad or forged request fails there)
      and `add`: the request waits for its producer's handshake, pages and a seat, until now +
      `wait_timeout_s`.
   2. Each `poll` (every engine step) first releases the prefill side's held pages that were
      read or whose lease ended, then reports finished transfers to the scheduler (a request
      whose transfer succeeded runs from the transferred position; one that failed recomputes
      locally or fails, per `failure_policy`), then, for each waiting request whose producer is
-     handshaken (`connector.peer_for`, never blocking), gives it its pages
+     handshaken (`connector.consumer.peer_for`, never blocking), gives it its pages
      (`Scheduler.add_remote_request`: the colocated engine's pages at the first decode step,
      less a decode-side prefix hit) and starts its transfer while pages last. A request whose
      handshake failed, or still waiting past its deadline, is given up the same way.
@@ -65,7 +65,7 @@ class RemoteRequests:
         return not self.waiting and self.connector.idle
 
     def add(self, request: Any, params: TransferParams) -> None:
-        """Queue a decode-side request (params from `connector.accept_params`); starts at
+        """Queue a decode-side request (params from `Consumer.accept_params`); starts at
         once when its producer is known and pages are free."""
         deadline = time.monotonic() + self.config.wait_timeout_s
         self.waiting.append(_Waiting(request, params, deadline))
@@ -77,9 +77,9 @@ class RemoteRequests:
         False when the scheduler owns it."""
         if any(w.req_id == req_id for w in self.waiting):
             self.waiting = [w for w in self.waiting if w.req_id != req_id]
-            self.connector.release_remote(self.params.pop(req_id))
+            self.connector.consumer.release_remote(self.params.pop(req_id))
             return True
-        if req_id in self.connector.pulls:
+        if req_id in self.connector.consumer.pulls:
             self._abort_after.add(req_id)  # its pages are being written: free them later
             return True
         return False
@@ -97,15 +97,15 @@ class RemoteRequests:
                 self.scheduler.finish_remote_kv(req_id, ok=False)
                 self.scheduler.abort_request(req_id)
                 if not ok and params is not None:
-                    self.connector.release_remote(params)
+                    self.connector.consumer.release_remote(params)
             elif ok:
                 self.scheduler.finish_remote_kv(req_id, ok=True)
             else:
                 self._failed(req_id, reason or "transfer failed", params)
         self._start()
-        self.connector.flush()
-        if self.waiting or self.connector.pulls:
-            self.connector.keep_alive([w.params for w in self.waiting])
+        self.connector.consumer.flush()
+        if self.waiting or self.connector.consumer.pulls:
+            self.connector.consumer.keep_alive([w.params for w in self.waiting])
 
     def _start(self) -> None:
         """Give waiting requests pages and start their transfers, while pages last; give up
@@ -113,12 +113,12 @@ class RemoteRequests:
         now, still = time.monotonic(), []
         for w in self.waiting:
             try:
-                peer = self.connector.peer_for(w.params)
+                peer = self.connector.consumer.peer_for(w.params)
                 slots = None
                 if peer is not None:
                     slots = self.scheduler.add_remote_request(w.request, w.params.num_tokens)
             except Exception as err:  # the handshake failed, or the scheduler refused it
-                self.connector.count_failure()
+                self.connector.consumer.count_failure()
                 self._failed(
                     w.req_id,
                     f"cannot reach the producer: {err}",
@@ -130,7 +130,7 @@ class RemoteRequests:
                 if now <= w.deadline:
                     still.append(w)
                     continue
-                self.connector.count_failure()
+                self.connector.consumer.count_failure()
                 self._failed(
                     w.req_id,
                     f"no producer handshake, cache pages or seat for its transferred KV "
@@ -140,9 +140,9 @@ class RemoteRequests:
                 )
                 continue
             try:
-                self.connector.start_transfer(w.req_id, w.params, slots, peer)
+                self.connector.consumer.start_transfer(w.req_id, w.params, slots, peer)
             except Exception as err:  # NIXL, or parameters that fit no layout
-                self.connector.count_failure()
+                self.connector.consumer.count_failure()
                 self._failed(
                     w.req_id, f"cannot start the transfer: {err}", self.params.pop(w.req_id)
                 )
@@ -154,7 +154,7 @@ class RemoteRequests:
         """The request will not get its KV: tell the producer, then recompute it locally or
         end it with `reason` (policy "fail"). `request`: one the scheduler never saw."""
         if params is not None:
-            self.connector.release_remote(params)
+            self.connector.consumer.release_remote(params)
         if request is None:
             self.scheduler.finish_remote_kv(req_id, ok=False)  # frees; queued first
         elif self.config.failure_policy == "recompute":

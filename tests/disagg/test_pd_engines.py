@@ -178,7 +178,7 @@ def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
     assert params["lease_s"] == lease
     held = prefill.engine.connector.producer.held[params["req_id"]]
     first = held.deadline  # the end of the lease, in time.monotonic() seconds
-    consumer = decode.engine.connector
+    consumer = decode.engine.connector.consumer
     typed = consumer.accept_params(params, list(range(3, 30)))
     with _serving(prefill):  # the handshake runs off the engine thread
         while consumer.peer_for(typed) is None:

@@ -149,7 +149,7 @@ def test_forged_expired_replayed_and_foreign_params_are_refused_without_a_connec
         TransferParams.parse(mine, len(prompts[1]) + 1).verify(
             SECRET.encode(), prompts[1], now=mine["expires"] + 1
         )
-    assert not engine.connector.directory.pending and server.num_served == served
+    assert not engine.connector.consumer.directory.pending and server.num_served == served
     # the genuine ones still work, once each
     with _serving(prefill):
         for name, p, params in (("v", prompts[0], victim), ("m", prompts[1], mine)):
@@ -180,7 +180,7 @@ def _rogue(pair) -> NixlTransport:
     )
     rogue._buffer = buffer  # keep it alive as long as the agent
     server = prefill.engine.connector.server
-    request = decode.engine.connector._handshake_request()
+    request = decode.engine.connector.consumer._handshake_request()
     request.update(agent_name="rogue:0", agent_metadata=rogue.metadata())
     info = fetch_peer(server.host, server.port, request, secret=SECRET.encode())
     rogue.add_peer(info["agent_metadata"])
@@ -299,7 +299,7 @@ def test_fuzzed_handshake_frames_end_nothing(pair):
     fuzz()
     assert server.num_served == served
     # an authenticated peer that sends garbage metadata is dropped by the engine thread
-    request = decode.engine.connector._handshake_request()
+    request = decode.engine.connector.consumer._handshake_request()
     request.update(agent_name="junk:0", agent_metadata=b"\x00garbage metadata")
     fetch_peer(server.host, server.port, request, secret=SECRET.encode())
     failures = prefill.engine.connector.join_failures
