@@ -29,25 +29,19 @@ import numpy as np
 from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import PoolTooSmall, Scheduler
-from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hybridserve.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    local_prefill_output,
+)
+from hybridserve.prompt_check import prompt_token_ids
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
 from hybridserve.runner.sampler import sample_requests
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
-
-
-def _local_prefill_output(req_id: str, prompt: str | list[int], ids: list[int]) -> RequestOutput:
-    """A prefill engine's answer to a remote-decode prompt of one token: there is nothing to
-    transfer (the decode side computes the last prompt token itself), so the parameters tell
-    the decode side to prefill locally."""
-    now = time.perf_counter()
-    metrics = RequestMetrics(arrival_time=now, first_token_time=now, finished_time=now)
-    done = CompletionOutput(0, "", [], "length", None, None)
-    params = {"do_remote_prefill": False, "local_prefill": True}
-    text = prompt if isinstance(prompt, str) else None
-    return RequestOutput(req_id, text, list(ids), [done], True, metrics, [], params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,29 +142,13 @@ class LLMEngine:
         """Token ids of a prompt, or ValueError saying what is wrong with it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{self.config.model} has no tokenizer.json: pass prompts as "
-                    '{"prompt_token_ids": [...]}'
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            if any(isinstance(t, bool) or not isinstance(t, int | np.integer) for t in prompt):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; max_model_len is "
-                f"{self.max_model_len} (prompt + at least one output token)"
-            )
-        return ids
+        return prompt_token_ids(
+            prompt,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.config.model,
+        )
 
     def prepare_multimodal(
         self, prompt: str | list[int], data: dict
@@ -221,7 +199,7 @@ class LLMEngine:
         )
         producer = bool(remote.get("do_remote_decode"))
         if producer and len(ids) < 2:  # nothing to transfer: the decode side computes it all
-            self._ready.append(_local_prefill_output(req_id, prompt, ids))
+            self._ready.append(local_prefill_output(req_id, prompt, ids))
             return req_id
         request = Request(
             req_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 
 @dataclasses.dataclass
@@ -55,3 +56,15 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # since the last update
     kv_transfer_params: dict | None = None  # prefill side of P/D: what the decode side needs
+
+
+def local_prefill_output(req_id: str, prompt: str | list[int], ids: list[int]) -> RequestOutput:
+    """A prefill engine's answer to a remote-decode prompt of one token: there is nothing to
+    transfer (the decode side computes the last prompt token itself), so the parameters tell
+    the decode side to prefill locally."""
+    now = time.perf_counter()
+    metrics = RequestMetrics(arrival_time=now, first_token_time=now, finished_time=now)
+    done = CompletionOutput(0, "", [], "length", None, None)
+    params = {"do_remote_prefill": False, "local_prefill": True}
+    text = prompt if isinstance(prompt, str) else None
+    return RequestOutput(req_id, text, list(ids), [done], True, metrics, [], params)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -49,89 +48,20 @@ from typing import Any
 from hybridserve.engine import LLMEngine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.server.engine_commands import (
+    Abort,
+    Add,
+    EngineDead,
+    EngineStopped,
+    NotAccepting,
+    QueueFull,
+    Release,
+    RequestStream,
+    RequestTimeout,
+    Stop,
+)
 
 log = logging.getLogger(__name__)
-
-
-class NotAccepting(RuntimeError):
-    """The server is shutting down or its engine died (HTTP 503)."""
-
-
-class QueueFull(RuntimeError):
-    """`max_queue` requests are already waiting or running (HTTP 429)."""
-
-
-class RequestTimeout(RuntimeError):
-    """The request ran past its deadline and was aborted."""
-
-
-class EngineDead(RuntimeError):
-    """The engine loop failed; the request cannot finish."""
-
-
-class EngineStopped(RuntimeError):
-    """The engine was shut down before the request finished."""
-
-
-@dataclasses.dataclass
-class _Add:
-    req_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
-    deadline: float | None  # time.monotonic()
-    outputs: asyncio.Queue
-    verdict: asyncio.Future
-
-
-@dataclasses.dataclass
-class _Abort:
-    req_id: str
-
-
-@dataclasses.dataclass
-class _Release:
-    params: dict[str, Any]
-    verdict: asyncio.Future
-
-
-class _Stop:
-    pass
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator; `close()` aborts it if unfinished."""
-
-    def __init__(self, owner: AsyncEngine, req_id: str, outputs: asyncio.Queue) -> None:
-        self.req_id = req_id
-        self._owner = owner
-        self._outputs = outputs
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._outputs.get()
-        if isinstance(item, BaseException):
-            self._end()
-            raise item
-        if item.finished:
-            self._end()
-        return item
-
-    def _end(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._owner._live.discard(self.req_id)
-
-    def close(self) -> None:
-        """Abort the request in the engine unless it finished (idempotent, non-blocking)."""
-        if not self.finished:
-            self._end()
-            self._owner._commands.put(_Abort(self.req_id))
 
 
 class AsyncEngine:
@@ -207,7 +137,7 @@ class AsyncEngine:
         if self._loop is None or self.dead is not None or self._thread is None:
             return False
         verdict = self._loop.create_future()
-        self._commands.put(_Release(params, verdict))
+        self._commands.put(Release(params, verdict))
         return bool(await verdict)
 
     async def add_request(
@@ -233,7 +163,7 @@ class AsyncEngine:
         self._live.add(req_id)
         stream = RequestStream(self, req_id, outputs)
         self._commands.put(
-            _Add(req_id, prompt, params, kv_transfer_params, deadline, outputs, verdict)
+            Add(req_id, prompt, params, kv_transfer_params, deadline, outputs, verdict)
         )
         if self.dead is not None:  # the thread died after our check: nobody will answer
             self._drain_adds(EngineDead("the engine failed"))
@@ -270,7 +200,7 @@ class AsyncEngine:
         while self._live and time.monotonic() < end and self.dead is None:
             await asyncio.sleep(0.02)
         if self._thread is not None:
-            self._commands.put(_Stop())
+            self._commands.put(Stop())
             await asyncio.to_thread(self._thread.join)
         self.engine.close()  # the engine thread is gone: only this thread touches it now
 
@@ -343,14 +273,14 @@ class AsyncEngine:
         except queue.Empty:
             return True
         while True:
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return False
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 self._add(command)
-            elif isinstance(command, _Abort) and command.req_id in self._streams:
+            elif isinstance(command, Abort) and command.req_id in self._streams:
                 self._forget(command.req_id)
                 self.engine.abort_request(command.req_id)
-            elif isinstance(command, _Release):
+            elif isinstance(command, Release):
                 try:
                     released = self.engine.release_kv(command.params)
                 except Exception:  # parameters of any shape: just not released
@@ -361,7 +291,7 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _add(self, command: _Add) -> None:
+    def _add(self, command: Add) -> None:
         try:
             self.engine.add_request(
                 command.prompt, command.params, command.req_id, command.kv_transfer_params
@@ -410,9 +340,9 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add):
+            if isinstance(command, Add):
                 self._settle(command.verdict, error)
-            elif isinstance(command, _Release):
+            elif isinstance(command, Release):
                 self._settle_value(command.verdict, False)
 
     def _publish(self) -> None:
@@ -436,3 +366,14 @@ class AsyncEngine:
             samples.popleft()
         t0, b0 = samples[0]
         return (total_bytes - b0) / (now - t0) / 1e9 if now > t0 else 0.0
+
+
+__all__ = [
+    "AsyncEngine",
+    "EngineDead",
+    "EngineStopped",
+    "NotAccepting",
+    "QueueFull",
+    "RequestStream",
+    "RequestTimeout",
+]
