@@ -1,4 +1,5 @@
-"""A prefill instance and a decode instance (real NIXL over UCX on loopback), by HTTP only.
+"""A prefill instance and a decode instance (real NIXL over UCX on loopback, a shared secret),
+by HTTP only.
 
 This is what a proxy does: the prompt goes to the prefill instance with `max_tokens: 1` and
 `kv_transfer_params: {"do_remote_decode": true}`; its response's `kv_transfer_params` go with
@@ -16,14 +17,17 @@ from server_harness import SMALL, ServerProcess, wait_until
 from hybridserve import SamplingParams
 
 PROMPT = "class Queue:\n    def __init__(self):\n"
+SECRET = "the secret of this test deployment"
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    role = '{{"kv_connector": "NixlConnector", "kv_role": "{}"}}'
-    prefill = ServerProcess([*SMALL, "--kv-transfer-config", role.format("kv_producer")], logs, "p")
-    decode = ServerProcess([*SMALL, "--kv-transfer-config", role.format("kv_consumer")], logs, "d")
+    def role(name: str) -> str:
+        return json.dumps({"kv_connector": "NixlConnector", "kv_role": name, "secret": SECRET})
+
+    prefill = ServerProcess([*SMALL, "--kv-transfer-config", role("kv_producer")], logs, "p")
+    decode = ServerProcess([*SMALL, "--kv-transfer-config", role("kv_consumer")], logs, "d")
     try:
         for proc in (prefill.launch(), decode.launch()):  # both load at once
             proc.wait_ready()
@@ -104,3 +108,53 @@ def test_release_frees_the_held_pages_at_once(pair):
     assert again.status_code == 200 and again.json() == {"released": False}
     bad = httpx.post(url, json={"kv_transfer_params": "x"}, timeout=30)
     assert bad.status_code == 400 and "error" in bad.json()
+
+
+def test_forged_and_replayed_params_are_403(pair):
+    """Signed parameters: another prompt's block ids, a foreign side channel, an unsigned or a
+    used set are refused with 403 before the decode instance contacts anyone."""
+    prefill, decode = pair
+    victim = _prefill(prefill, "/v1/completions", {"prompt": "def victim(secret):\n"})
+    mine = _prefill(prefill, "/v1/completions", {"prompt": PROMPT + "x"})
+    failures = decode.stats()["handshake_failures"]
+    url = decode.url + "/v1/completions"
+    body = {"prompt": PROMPT + "x", "max_tokens": 4}
+    for forged in (
+        {**mine, "block_tables": victim["block_tables"]},
+        {**mine, "host": "127.0.0.2", "port": 9},
+        {**mine, "signature": ""},
+        victim,  # someone else's parameters (another prompt) with my prompt
+    ):
+        reply = httpx.post(url, json={**body, "kv_transfer_params": forged}, timeout=60)
+        assert reply.status_code == 403, reply.text
+        assert reply.json()["error"]["code"] == "forbidden"
+    ok = httpx.post(url, json={**body, "kv_transfer_params": mine}, timeout=120)
+    assert ok.status_code == 200, ok.text
+    again = httpx.post(url, json={**body, "kv_transfer_params": mine}, timeout=60)
+    assert again.status_code == 403 and "replayed" in again.json()["error"]["message"]
+    assert decode.stats()["handshake_failures"] == failures
+    httpx.post(prefill.url + "/v1/kv_transfer/release", json={"kv_transfer_params": victim})
+    assert prefill.idle(timeout=30) and decode.idle(timeout=30)
+
+
+def test_a_one_token_prompt_is_prefilled_on_the_decode_side(pair, offline):
+    prefill, decode = pair
+    body = {"prompt": [17], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    params = httpx.post(
+        prefill.url + "/v1/completions",
+        json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout=60,
+    ).json()["kv_transfer_params"]
+    assert params["local_prefill"] is True and "block_tables" not in params
+    reply = httpx.post(
+        decode.url + "/v1/completions",
+        json={**body, "kv_transfer_params": params, "return_token_ids": True},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    want = offline.generate(
+        {"prompt_token_ids": [17]},
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        False,
+    )[0]
+    assert reply.json()["choices"][0]["token_ids"] == want.outputs[0].token_ids
