@@ -23,6 +23,7 @@ SECRET = "the secret of this test deployment"
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
+
     def role(name: str) -> str:
         return json.dumps({"kv_connector": "NixlConnector", "kv_role": name, "secret": SECRET})
 
