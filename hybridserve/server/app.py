@@ -39,14 +39,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException
 
 from hybridserve.server import protocol as P
 from hybridserve.server.async_engine import AsyncEngine
 from hybridserve.server.auth import BearerAuth
 from hybridserve.server.body import read_json
 from hybridserve.server.chat import ChatTemplate
-from hybridserve.server.errors import APIError
+from hybridserve.server.errors import APIError, install_error_handlers
 from hybridserve.server.metrics import CONTENT_TYPE, CountRequests, ServerMetrics
 from hybridserve.server.serving import OpenAIServing, ServingSettings
 
@@ -135,23 +134,11 @@ def build_app(
     # added last, so outermost: it counts the 401s too
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
-        return err.response()
-
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         return _validation_error(list(err.errors())).response()
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return APIError(err.status_code, str(err.detail), kind, headers=err.headers).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(err).__name__}", "internal_error").response()
+    install_error_handlers(app, log)
 
     async def body(request: Request) -> Any:
         return await read_json(request, settings.max_body_bytes, settings.body_timeout_s)

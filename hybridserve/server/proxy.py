@@ -37,10 +37,9 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 
 from hybridserve.server.auth import BearerAuth
-from hybridserve.server.errors import APIError
+from hybridserve.server.errors import APIError, install_error_handlers
 from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
 from hybridserve.server.proxy_routes import handle
 from hybridserve.server.proxy_state import Instance, NoInstance, ProxyState, ProxyStats
@@ -72,15 +71,7 @@ def build_proxy(state: ProxyState, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return APIError(err.status_code, str(err.detail), kind, headers=err.headers).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, err: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(err).__name__}", "internal_error").response()
+    install_error_handlers(app, log)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

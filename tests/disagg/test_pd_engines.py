@@ -6,13 +6,13 @@ a real NIXL READ from the prefill engine's region buffers into the decode engine
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 
 import numpy as np
 import pytest
+from pd_polling import polling
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import KVTransferConfig
@@ -62,26 +62,6 @@ def _prompts(n, seed=0):
     return [rng.integers(3, 512, size=int(rng.integers(2, 60))).tolist() for _ in range(n)]
 
 
-@contextlib.contextmanager
-def _serving(prefill: LLM):
-    """The prefill engine keeps polling meanwhile (as its serving loop would): it writes the
-    pages of push requests and frees pages on the decode side's notifications."""
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            prefill.engine.poll_transfers()
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
 def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
     outs = prefill.generate(
         [
@@ -95,7 +75,7 @@ def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
         {"prompt_token_ids": p, "kv_transfer_params": o.kv_transfer_params}
         for p, o in zip(prompts, outs, strict=True)
     ]
-    with _serving(prefill):
+    with polling(prefill):
         result = decode.generate(handed, params, use_tqdm=False)
         deadline = time.monotonic() + 10
         while prefill.engine.scheduler.held and time.monotonic() < deadline:
@@ -147,7 +127,7 @@ def test_transfer_after_the_lease_ended_is_refused(hf_checkpoint, mode):
         {"prompt_token_ids": p, "kv_transfer_params": o.kv_transfer_params}
         for p, o in zip(prompts, outs, strict=True)
     ]
-    with _serving(prefill):
+    with polling(prefill):
         result = decode.generate(handed, GREEDY, use_tqdm=False)
     assert decode.engine.connector.failures == len(prompts)
     why = "no longer held the pages" if mode == "pull" else "no held pages"
@@ -180,7 +160,7 @@ def test_heartbeats_renew_the_lease_of_waiting_requests(hf_checkpoint):
     first = held.deadline  # the end of the lease, in time.monotonic() seconds
     consumer = decode.engine.connector.consumer
     typed = consumer.accept_params(params, list(range(3, 30)))
-    with _serving(prefill):  # the handshake runs off the engine thread
+    with polling(prefill):  # the handshake runs off the engine thread
         while consumer.peer_for(typed) is None:
             time.sleep(0.01)
     time.sleep(0.5)

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import socket
 import struct
-import threading
 import time
 
 import msgpack
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pd_polling import polling
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import KVTransferConfig
@@ -65,25 +65,6 @@ def pair(hf_checkpoint):
     decode.close()
 
 
-@contextlib.contextmanager
-def _serving(llm: LLM):
-    """Poll an engine in a thread (as its serving loop would) while the test waits."""
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            llm.engine.poll_transfers()
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
 def _prefill(prefill: LLM, prompt: list[int]) -> dict:
     (out,) = prefill.generate(
         [{"prompt_token_ids": prompt, "kv_transfer_params": {"do_remote_decode": True}}],
@@ -97,7 +78,7 @@ def _pd(pair) -> list[list[int]]:
     """Every prompt through prefill then decode: the tokens."""
     prefill, decode, prompts, _ = pair
     handed = [_prefill(prefill, p) for p in prompts]
-    with _serving(prefill):
+    with polling(prefill):
         outs = decode.generate(
             [
                 {"prompt_token_ids": p, "kv_transfer_params": h}
@@ -110,7 +91,7 @@ def _pd(pair) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _assert_still_serving(pair) -> None:
+def _assert_stillpolling(pair) -> None:
     prefill, decode, _, expected = pair
     failures = decode.engine.stats()["transfer_failures"]
     assert _pd(pair) == expected
@@ -121,7 +102,7 @@ def _assert_still_serving(pair) -> None:
 
 
 def test_signed_params_give_the_colocated_tokens(pair):
-    _assert_still_serving(pair)
+    _assert_stillpolling(pair)
     prefill, decode, _, _ = pair
     assert not prefill.engine.scheduler.held  # every held page was read and released
 
@@ -151,7 +132,7 @@ def test_forged_expired_replayed_and_foreign_params_are_refused_without_a_connec
         )
     assert not engine.connector.consumer.directory.pending and server.num_served == served
     # the genuine ones still work, once each
-    with _serving(prefill):
+    with polling(prefill):
         for name, p, params in (("v", prompts[0], victim), ("m", prompts[1], mine)):
             engine.add_request(p, GREEDY, name, kv_transfer_params=params)
             with pytest.raises(Forbidden, match="replayed"):
@@ -251,7 +232,7 @@ def test_fuzzed_notifications_from_a_rogue_agent_end_nothing(pair):
         assert prefill.engine.stats()["refused_notes"] > 0
     finally:
         rogue.close()
-    _assert_still_serving(pair)
+    _assert_stillpolling(pair)
 
 
 def _exchange(server, frames: list[bytes]) -> bytes:
@@ -305,7 +286,7 @@ def test_fuzzed_handshake_frames_end_nothing(pair):
     failures = prefill.engine.connector.join_failures
     prefill.engine.poll_transfers()
     assert prefill.engine.connector.join_failures == failures + 1
-    _assert_still_serving(pair)
+    _assert_stillpolling(pair)
 
 
 def test_fuzzed_kv_transfer_params_end_nothing(pair):
@@ -341,14 +322,14 @@ def test_fuzzed_kv_transfer_params_end_nothing(pair):
 
     fuzz()
     assert len(refused) > 1000
-    with _serving(prefill):  # an accepted one aborted mid-transfer ends with its transfer
+    with polling(prefill):  # an accepted one aborted mid-transfer ends with its transfer
         deadline = time.monotonic() + 30
         while engine.has_unfinished() and time.monotonic() < deadline:
             engine.step()
     assert not engine.scheduler.requests and engine.scheduler.coordinator.pool.num_used == 0
     prefill.engine.release_kv(genuine)
     prefill.engine.poll_transfers()
-    _assert_still_serving(pair)
+    _assert_stillpolling(pair)
 
 
 def test_a_restarted_prefill_engine_is_a_new_peer(pair, hf_checkpoint):
@@ -363,7 +344,7 @@ def test_a_restarted_prefill_engine_is_a_new_peer(pair, hf_checkpoint):
     kv = {"engine_id": "restarted", "port": port}
     first = _llm(directory, "kv_producer", **kv)
     old = _prefill(first, prompts[0])
-    with _serving(first):  # the decode engine learns the first process
+    with polling(first):  # the decode engine learns the first process
         decode.generate(
             [{"prompt_token_ids": prompts[0], "kv_transfer_params": old}], GREEDY, use_tqdm=False
         )
@@ -374,7 +355,7 @@ def test_a_restarted_prefill_engine_is_a_new_peer(pair, hf_checkpoint):
         new = _prefill(second, prompts[1])
         assert new["epoch"] != old["epoch"] and new["port"] == old["port"]
         failures = decode.engine.stats()["transfer_failures"]
-        with _serving(second):
+        with polling(second):
             outs = decode.generate(
                 [
                     {"prompt_token_ids": prompts[0], "kv_transfer_params": old},

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import pytest
+from pd_polling import polling
 
 from hybridserve import LLM
 from hybridserve.config import KVTransferConfig, MtpConfig
@@ -31,7 +32,6 @@ from tests.disagg.test_pd_engines import (  # noqa: F401
     GREEDY,
     _llm,
     _pd_generate,
-    _serving,
     close_engines,
 )
 from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
@@ -197,7 +197,7 @@ def test_kv_both_engines_and_a_failed_transfer_register_only_valid_units(engines
     assert not a.engine.scheduler.held
     failures = b.engine.stats()["transfer_failures"]
     handed = [{"prompt_token_ids": prompts[1], "kv_transfer_params": out.kv_transfer_params}]
-    with _serving(a):
+    with polling(a):
         (result,) = b.generate(handed, GREEDY, use_tqdm=False)
     assert result.outputs[0].token_ids == expected[1]  # recomputed locally
     assert b.engine.stats()["transfer_failures"] == failures + 1
