@@ -184,7 +184,7 @@ class HandshakeServer:
                     self.check(request)
                     send_frame(conn, {"version": VERSION, **self.info})
                     self.num_served += 1
-                except (HandshakeError, ValueError, KeyError, TypeError, OSError) as err:
+                except Exception as err:  # any frame a peer sends: refuse it, keep serving
                     self._refuse(str(err))
                     with contextlib.suppress(OSError, HandshakeError):
                         send_frame(conn, {"version": VERSION, "error": str(err)})
