@@ -182,12 +182,26 @@ async def _post(
     last: Exception | None = None
     for inst in state.pick(role):
         try:
-            reply = await state.client.post(f"{inst.url}{path}", content=content, headers=_JSON)
+            reply = await _stack(
+                state.client.post(f"{inst.url}{path}", content=content, headers=_JSON)
+            )
             return reply, inst
         except (httpx.ConnectError, httpx.ConnectTimeout) as err:
             _refused(state, inst, err)
             last = err
     raise NoInstance(f"no {role} instance answered: {last!r}")
+
+
+async def _stack(call: Coroutine[Any, Any, httpx.Response]) -> httpx.Response:
+    """An upstream call whose failures are all httpx errors: httpcore can fail with a plain
+    error (AttributeError on a socket whose peer was just killed) that would otherwise end the
+    client's connection without an answer."""
+    try:
+        return await call
+    except (httpx.HTTPError, asyncio.CancelledError):
+        raise
+    except Exception as err:
+        raise httpx.TransportError(f"{type(err).__name__}: {err}") from err
 
 
 def _refused(state: ProxyState, inst: Instance, err: Exception) -> None:
@@ -205,7 +219,7 @@ async def _open_stream(state: ProxyState, path: str, content: bytes, legs: _Legs
             "POST", f"{inst.url}{path}", content=content, headers=_JSON
         )
         try:
-            upstream = await state.client.send(request, stream=True)
+            upstream = await _stack(state.client.send(request, stream=True))
         except (httpx.ConnectError, httpx.ConnectTimeout) as err:
             _refused(state, inst, err)
             last = err
@@ -267,7 +281,7 @@ class _Relay:
             if pending:
                 yield pending
             self.finished = True
-        except httpx.HTTPError as err:
+        except Exception as err:  # httpx errors, and plain ones from a socket closed under it
             self.cut = True
             if not self.finished:
                 self.state.stats.decode_failures += 1

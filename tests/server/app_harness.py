@@ -55,7 +55,8 @@ class Upstreams:
     """Scripted prefill ("p...") and decode ("d...") instances for an httpx.MockTransport.
 
     Records requests (`seen`), release calls (`released`) and cancelled requests (`cancelled`).
-    `down`: hosts that refuse connections; `health`: a host's /health answer (a status, or
+    `down`: hosts that refuse connections; `broken`: hosts whose HTTP stack raises a plain
+    error (seen with a peer killed mid-connection); `health`: a host's /health answer (a status, or
     "timeout"); `health_delay`: seconds a /health answer takes (`most_checks_at_once` records
     how many overlapped); `decode_status`: the decode answer's status; `decode_delay`: seconds
     a decode answer takes; `event_delay`: seconds between streamed events; `cut_after`: a
@@ -69,6 +70,7 @@ class Upstreams:
         self.cancelled: list[str] = []
         self.headers: list[tuple[str, str | None]] = []
         self.down: set[str] = set()
+        self.broken: set[str] = set()  # hosts whose HTTP stack fails with a plain error
         self.health: dict[str, int | str] = {}
         self.health_delay = 0.0
         self.checks_now = 0
@@ -91,6 +93,8 @@ class Upstreams:
         self.headers.append((path, request.headers.get("authorization")))
         if host in self.down:
             raise httpx.ConnectError("refused", request=request)
+        if host in self.broken and path != "/health":  # httpcore on a socket its peer closed
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
         if path == "/health":
             self.checks_now += 1
             self.most_checks_at_once = max(self.most_checks_at_once, self.checks_now)

@@ -185,3 +185,19 @@ def test_proxy_stats_count_requests_failures_and_releases():
     want.update(release_failures=0, client_disconnects=0, no_instance=1)
     assert {k: snapshot[k] for k in want} == want
     assert snapshot["instances"]["decode"] == {"http://d1:1": {"healthy": False, "failures": 0}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_plain_error_from_the_http_stack_is_a_502_not_a_dropped_connection(stream):
+    """httpcore raised AttributeError on a socket whose peer (a prefill or decode instance) was
+    just SIGKILLed: the client gets a 502 in the OpenAI shape, and a failed decode leg still
+    releases the prefill's pages."""
+    for role in ("p1", "d1"):
+        up = Upstreams()
+        up.broken = {role}
+        state = _state(up)
+        reply = _post(state, {**BODY, "stream": stream})
+        _error(reply, 502)
+        assert "AttributeError" in reply.json()["error"]["message"]
+        released = [("p1", {"kv_transfer_params": {"from": "p1"}})] if role == "d1" else []
+        assert up.released == released
