@@ -245,7 +245,12 @@ class ChaosRun:
         self.gate = asyncio.Event()
         self.gate.set()
         queue = collections.deque(self._specs())
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=128)
+        # idle connections expire before the proxy's keep-alive (5 s) closes them: a request
+        # sent on a connection the server is closing meets a reset (the HTTP keep-alive race,
+        # seen after an outage paused every worker for longer than that)
+        limits = httpx.Limits(
+            max_connections=256, max_keepalive_connections=128, keepalive_expiry=2.0
+        )
         timeout = httpx.Timeout(self.plan.request_timeout_s + 10, connect=10)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             await self._prepare(client)
