@@ -189,7 +189,7 @@ def test_close_releases_the_agent_and_the_handshake_server(hf_checkpoint):
     directory = hf_checkpoint("nemotron_h")[0]
     native = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
     handshakes = lambda: sum(t.name == "handshake" for t in threading.enumerate())  # noqa: E731
-    _settle(native)  # threads of engines closed by earlier tests may still be ending
+    _settle(native, quiet_s=2.0)  # threads of engines closed by earlier tests may be ending
     before = native(), handshakes()
     with _make_llm(directory, 1, "kv_producer", "pull", None) as llm:
         opened = native(), handshakes()
