@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from server_harness import ProxyProcess as SharedProxy
 from server_harness import ServerProcess
 
 # Outcomes that end a request clearly; anything else is a harness-visible failure.
@@ -104,16 +105,8 @@ class FixedPortServer(ServerProcess):
         return sum(int(s.get(key, 0)) for s in self.snapshots) + int(final[key])
 
 
-class ProxyProcess(ServerProcess):
-    """`python -m hybridserve.cli proxy --port 0 ARGS`."""
-
-    def launch(self) -> ProxyProcess:
-        command = [sys.executable, "-m", "hybridserve.cli", "proxy", "--port", "0", *self.args]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)
-            )
-        return self
+class ProxyProcess(SharedProxy):
+    """The shared `hybridserve proxy --port 0` process, with the harness's log interface."""
 
     def all_logs(self) -> str:
         return self.log()

@@ -8,13 +8,13 @@ import asyncio
 import contextlib
 import json
 import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import uvicorn
+from server_harness import wait_until  # noqa: F401 (the tests import it from here)
 
 from hybridserve.api import DEFAULT_MODEL
 from hybridserve.server.app import ServerSettings, build_app
@@ -138,15 +138,6 @@ class Upstreams:
             done = True
         finally:
             self.streams_closed += not done
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 @contextlib.contextmanager

@@ -127,5 +127,17 @@ class ServerProcess:
         self.stop()
 
 
+class ProxyProcess(ServerProcess):
+    """`python -m hybridserve.cli proxy --port 0 ARGS`."""
+
+    def launch(self) -> ProxyProcess:
+        command = [sys.executable, "-m", "hybridserve.cli", "proxy", "--port", "0", *self.args]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)
+            )
+        return self
+
+
 def counter(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)

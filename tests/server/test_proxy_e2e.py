@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from app_harness import serve_in_thread, wait_until
-from server_harness import SMALL, ServerProcess
+from server_harness import SMALL, ProxyProcess, ServerProcess
 
 from hybridserve.server.listener import HTTPLimits
 from hybridserve.server.proxy import ProxyState, build_proxy
@@ -28,18 +27,6 @@ ROLE = (
     '{{"kv_connector": "NixlConnector", "kv_role": "{}", "lease_s": 600, '
     '"transfer_timeout_s": 600}}'
 )
-
-
-class ProxyProcess(ServerProcess):
-    """`python -m hybridserve.cli proxy --port 0 ARGS`."""
-
-    def launch(self) -> ProxyProcess:
-        command = [sys.executable, "-m", "hybridserve.cli", "proxy", "--port", "0", *self.args]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)
-            )
-        return self
 
 
 @pytest.fixture(scope="module")
