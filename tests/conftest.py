@@ -31,6 +31,14 @@ if os.environ.get("HYBRIDSERVE_TEST_JAX_CACHE", "1") != "0":
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
+from duration_guard import DurationGuard, limit_from_env  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The time budget (`duration_guard`), in the controlling process only."""
+    limit = limit_from_env()
+    if limit is not None and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationGuard(limit), "duration_guard")
 
 
 @pytest.fixture(scope="session")

@@ -4,24 +4,29 @@
   chunked prefill, prefix-cache hits), with the real heads proposing (random weights: most
   drafts are rejected, so the rollback path runs constantly).
 - Perfect drafts (an oracle replaying the plain greedy run): every verifying step emits k + 1.
-- Sampling: over 10,000 requests, the joint distribution of the first three output tokens
-  matches the exact one computed from the model's logits (chi-square), with drafts that are
-  often accepted and often rejected.
+- Sampling: the joint distribution of the first three output tokens matches the exact one
+  computed from the model's logits (chi-square), with drafts that are often accepted and often
+  rejected: through the engine with as many requests as a power calculation asks for to catch
+  the classic fault of rejection sampling (at a rejection, drawing from p instead of the
+  residual) with probability 0.99; and over 20,000 sequences with `verify` called directly in
+  batches, as the engine calls it (the engine not under test), which catches smaller faults.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
+from chi_square import p_value, sample_size
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import MtpConfig
 from hybridserve.runner.sampler import filtered_logits
+from hybridserve.runner.speculative import verify
 from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
 
 K = 3
@@ -52,20 +57,29 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def test_greedy_mtp_equals_plain_decoding(ckpt):
+PLAIN_TOKENS = 1 + 4 * (K + 1)  # the prefill token, then four steps of k + 1
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt) -> list[list[int]]:
+    """The plain (no speculation) greedy outputs of `_prompts()`, PLAIN_TOKENS each; greedy
+    decoding is batch-invariant (test_engine), so a shorter run is their prefix."""
+    params = SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS, ignore_eos=True)
+    return _run(_llm(ckpt), _prompts(), params)
+
+
+def test_greedy_mtp_equals_plain_decoding(ckpt, plain):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    plain = _run(_llm(ckpt), _prompts(), params)
     llm = _llm(ckpt, {"method": "mtp", "num_speculative_tokens": K})
-    assert _run(llm, _prompts(), params) == plain
+    assert _run(llm, _prompts(), params) == [out[:14] for out in plain]
     s = llm.engine.stats()
     assert s["spec_num_drafts"] > 20 * K  # the heads proposed, and were verified
     assert s["prefix_cache_hit_tokens"] >= 16  # the shared 32-token prefix, in 16-token units
 
 
-def test_perfect_drafts_yield_k_plus_one_tokens_per_step(ckpt):
-    params = SamplingParams(temperature=0.0, max_tokens=1 + 4 * (K + 1), ignore_eos=True)
+def test_perfect_drafts_yield_k_plus_one_tokens_per_step(ckpt, plain):
+    params = SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS, ignore_eos=True)
     prompts = _prompts()
-    plain = _run(_llm(ckpt), prompts, params)
     replay = {tuple(p): out for p, out in zip(prompts, plain, strict=True)}
 
     def oracle(ids: list[int], k: int) -> list[int]:
@@ -82,52 +96,154 @@ def test_perfect_drafts_yield_k_plus_one_tokens_per_step(ckpt):
     assert s["spec_tokens_per_step"] == K + 1
 
 
-def test_sampled_output_distribution_is_exact(ckpt):
-    # top-k 4 at temperature 1: the first three output tokens take 4 x 4 x 4 values, whose
-    # exact probabilities come from the model's logits (each filtered as the sampler does).
-    # Drafts: the most likely next tokens (one-hot q), accepted with probability p(d).
-    top_k, prompt = 4, list(range(100, 111))
-    runner = _llm(ckpt).engine.runner
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The first three output tokens after `PROMPT` at temperature 1 with top-k `TOP_K`, of
+    requests of four tokens drafted by an oracle: the model's raw logits after each prefix in
+    the support, the exact joint probabilities of the 64 outcomes, and the drafts (each
+    prefix's most likely next token, one-hot q).
 
-    def dist(seq: list[int]) -> np.ndarray:
-        logits = jnp.asarray(runner.sequence_logits(seq))[-1:]
-        one = jnp.ones(1)
-        f = filtered_logits(logits, one, jnp.full(1, top_k), one, jnp.zeros(1))
-        return np.asarray(jnp.exp(f - jnp.max(f)) / jnp.sum(jnp.exp(f - jnp.max(f))))[0]
+    The engine drafts min(k, max_tokens - n_out - 1) tokens: after the first token (the
+    prefill's, never drafted) two drafts for the second and third; after a rejection at the
+    second, one draft for the third. Every token the cells count is a drafted one but the
+    first; the fourth (a bonus token or a residual draw) is not counted."""
 
-    exact, best = {}, {}
-    p1 = dist(prompt)
-    for a in np.flatnonzero(p1):
-        p2 = dist(prompt + [int(a)])
-        best[(int(a),)] = int(np.argmax(p2))
-        for b in np.flatnonzero(p2):
-            p3 = dist(prompt + [int(a), int(b)])
-            best[(int(a), int(b))] = int(np.argmax(p3))
-            for c in np.flatnonzero(p3):
-                exact[(int(a), int(b), int(c))] = p1[a] * p2[b] * p3[c]
+    logits: dict[tuple[int, ...], np.ndarray]  # prefix (output tokens so far) -> [V] logits
+    probs: dict[tuple[int, ...], np.ndarray]  # prefix -> [V] the filtered distribution
+    best: dict[tuple[int, ...], int]  # prefix -> the oracle's draft after it
 
-    def oracle(ids: list[int], k: int) -> list[int]:
-        out = list(ids[len(prompt) :])
-        drafts = []
+    @property
+    def cells(self) -> list[tuple[int, int, int]]:
+        first = np.flatnonzero(self.probs[()])
+        return [
+            (int(a), int(b), int(c))
+            for a in first
+            for b in np.flatnonzero(self.probs[(int(a),)])
+            for c in np.flatnonzero(self.probs[(int(a), int(b))])
+        ]
+
+    def exact(self) -> np.ndarray:
+        """P(a, b, c) of every cell: sampling one token at a time."""
+        p = self.probs
+        return np.array([p[()][a] * p[(a,)][b] * p[(a, b)][c] for a, b, c in self.cells])
+
+    def resampling_fault(self) -> np.ndarray:
+        """P(a, b, c) of a verifier that, at a rejected draft d, draws from p instead of the
+        residual: P(x) = p(d) [x = d] + (1 - p(d)) p(x) at the drafted positions b and c."""
+
+        def faulty(prefix: tuple[int, ...], x: int) -> float:
+            p, d = self.probs[prefix], self.best[prefix]
+            return p[d] * (x == d) + (1 - p[d]) * p[x]
+
+        return np.array(
+            [self.probs[()][a] * faulty((a,), b) * faulty((a, b), c) for a, b, c in self.cells]
+        )
+
+    def oracle(self, ids: list[int], k: int) -> list[int]:
+        """The drafts after `ids` (the prompt and the output so far)."""
+        out, drafts = list(ids[len(PROMPT) :]), []
         while len(drafts) < k:
-            key = tuple(out + drafts)
-            drafts.append(best.get(key, 0))
+            drafts.append(self.best.get(tuple(out + drafts), 0))
         return drafts
 
-    n = int(os.environ.get("MTP_CHI_SQUARE_N", 10_000))
-    llm = _llm(ckpt, {"method": "oracle", "num_speculative_tokens": 2, "oracle": oracle},
-               max_num_seqs=1024, max_num_batched_tokens=8192)  # fmt: skip
-    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True, seed=None)
-    got = _run(llm, [prompt] * n, params)
+
+TOP_K, PROMPT, ALPHA, MAX_TOKENS = 4, list(range(100, 111)), 1e-3, 4
+
+
+@pytest.fixture(scope="module")
+def chain(ckpt) -> Chain:
+    runner = _llm(ckpt).engine.runner
+    logits, probs, best = {}, {}, {}
+    one = jnp.ones(1)
+
+    def visit(prefix: tuple[int, ...]) -> None:
+        row = jnp.asarray(runner.sequence_logits(PROMPT + list(prefix)))[-1:]
+        f = filtered_logits(row, one, jnp.full(1, TOP_K), one, jnp.zeros(1))
+        logits[prefix] = np.asarray(row[0])
+        probs[prefix] = np.asarray(jax.nn.softmax(f, axis=-1)[0], np.float64)
+        best[prefix] = int(np.argmax(probs[prefix]))
+        if len(prefix) < 2:
+            for t in np.flatnonzero(probs[prefix]):
+                visit((*prefix, int(t)))
+
+    visit(())
+    return Chain(logits, probs, best)
+
+
+def _counts(chain: Chain, outputs: list[tuple[int, ...]]) -> np.ndarray:
+    index = {c: i for i, c in enumerate(chain.cells)}
+    assert all(o in index for o in outputs)  # nothing outside the support
+    return np.bincount([index[o] for o in outputs], minlength=len(index)).astype(float)
+
+
+def test_sampled_output_distribution_is_exact(chain, ckpt):
+    """Through the engine (drafts, verification, rollback, per-request keys), with the sample
+    size a power calculation gives for catching half of `Chain.resampling_fault` (the outputs
+    of a verifier with that fault one time in two) at ALPHA with probability 0.99 (about a
+    thousand requests on this model; the test used 10,000 before). Grosser faults, such as
+    accepting every draft or sharing one key between requests, show with far fewer."""
+    exact = chain.exact()
+    fault = 0.5 * exact + 0.5 * chain.resampling_fault()
+    n = sample_size(exact, fault, ALPHA, 0.99)
+    assert n <= 2_000, f"the power calculation asks for {n} requests"
+    spec = {"method": "oracle", "num_speculative_tokens": K, "oracle": chain.oracle}
+    llm = _llm(ckpt, spec, max_num_seqs=128)
+    params = SamplingParams(
+        temperature=1.0, top_k=TOP_K, max_tokens=MAX_TOKENS, ignore_eos=True, seed=None
+    )
+    got = _run(llm, [PROMPT] * n, params)
     s = llm.engine.stats()
     assert 0.2 < s["spec_acceptance_rate"] < 0.9  # both branches of the verifier ran often
-    cells = sorted(exact)
-    counts = np.array([sum(tuple(g) == c for g in got) for c in cells], float)
-    assert counts.sum() == n  # nothing outside the support
-    expected = np.array([exact[c] for c in cells], np.float64)
-    expected *= n / expected.sum()  # float32 probabilities: renormalise
-    big = expected >= 5
-    obs, exp = counts[big], expected[big]
-    if (~big).any():  # the rare cells pooled into one
-        obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
-    assert stats.chisquare(obs, exp).pvalue > 1e-3
+    counts = _counts(chain, [tuple(g[:3]) for g in got])
+    assert counts.sum() == n
+    assert p_value(counts, exact) > ALPHA
+    assert p_value(counts, fault) < ALPHA  # these draws do tell the fault apart
+
+
+def _verify_rows(chain, prefixes, num) -> tuple[np.ndarray, np.ndarray, jax.Array, np.ndarray]:
+    """The inputs of `verify` for rows that draft `num` tokens after their prefix (one-hot q;
+    the slots past the drafts hold copies, which `verify` ignores), on the vocabulary the
+    supports span (top-k over it is top-k over the full vocabulary: it holds every token of
+    every support). Returns (drafts, target logits, q), drafts in that vocabulary's ids."""
+    vocab = sorted({0, *itertools.chain(*(np.flatnonzero(p) for p in chain.probs.values()))})
+    col = {t: i for i, t in enumerate(vocab)}
+    sub = {k: v[vocab] for k, v in chain.logits.items()}
+    drafts = np.array([chain.oracle(PROMPT + list(p), 2) for p in prefixes])
+    rows = zip(prefixes, drafts, strict=True)
+    target = np.stack([np.stack([sub[p], sub.get((*p, d[0]), sub[p]), sub[p]]) for p, d in rows])
+    local = np.vectorize(col.get)(drafts).astype(np.int32)
+    q = jax.nn.one_hot(local, len(vocab)) * (np.arange(2)[None, :] < num[:, None])[..., None]
+    return local, target, q, np.asarray(vocab)
+
+
+def test_rejection_sampling_on_the_models_distributions_is_exact(chain):
+    """The engine's verification steps (see `Chain`) replayed in batches with `verify` itself:
+    20,000 sequences, the first token drawn from p, then steps of min(2, MAX_TOKENS - n_out -
+    1) oracle drafts until three tokens are out. At this size the check catches a tenth of
+    `Chain.resampling_fault` with probability 0.99 (the engine test, half of it)."""
+    n = 20_000
+    exact = chain.exact()
+    weak = 0.9 * exact + 0.1 * chain.resampling_fault()
+    assert sample_size(exact, weak, ALPHA, 0.99) <= n
+    key = jax.random.key(11)
+    p1 = chain.probs[()]
+    first = jax.random.choice(key, len(p1), (n,), p=jnp.asarray(p1 / p1.sum()))
+    outs = [(int(a),) for a in np.asarray(first)]
+    step = 0
+    while live := [i for i, o in enumerate(outs) if len(o) < 3]:
+        prefixes = [outs[i] for i in live]
+        num = np.array([min(2, MAX_TOKENS - len(p) - 1) for p in prefixes], np.int32)
+        drafts, target, q, vocab = _verify_rows(chain, prefixes, num)
+        m = len(live)
+        tokens, emitted = verify(
+            jnp.asarray(drafts), jnp.asarray(q, jnp.float32), jnp.asarray(num),
+            jnp.asarray(target), jnp.ones(m), jnp.full((m,), TOP_K, jnp.int32), jnp.ones(m),
+            jnp.zeros(m), jax.random.split(jax.random.fold_in(key, step), m),
+        )  # fmt: skip
+        for i, toks, e in zip(live, np.asarray(tokens), np.asarray(emitted), strict=True):
+            outs[i] = (*outs[i], *vocab[toks[:e]].tolist())[:3]
+        step += 1
+    assert step == 2  # a step of two drafts, then one of one draft for the rows it rejected
+    counts = _counts(chain, outs)
+    assert p_value(counts, exact) > ALPHA
+    assert p_value(counts, weak) < ALPHA
