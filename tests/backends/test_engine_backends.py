@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_shapes import TINY
 
 from backends.protocol import BackendError, load_ops
 from hybridserve import LLM, SamplingParams
@@ -24,7 +25,7 @@ def _prompts() -> list[dict]:
 
 
 def _greedy(directory, backend: str) -> list[list[int]]:
-    llm = LLM(directory, dtype="float32", backend=backend, max_model_len=128, progress=False)
+    llm = LLM(directory, **TINY, backend=backend, progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     return [list(out.outputs[0].token_ids) for out in outs]

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from engine_shapes import TINY
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import KVTransferConfig
@@ -24,29 +25,36 @@ def _prompts(n, seed=0):
     ]
 
 
-def _colocated(directory, prompts):
-    llm = LLM(directory, dtype="float32", max_model_len=128, max_num_seqs=32, progress=False)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+@pytest.fixture(scope="module")
+def colocated(hf_checkpoint):
+    """`colocated(prompts)`: their greedy tokens from one colocated engine (the workers'
+    settings), each prompt set computed once for the module."""
+    llm = LLM(hf_checkpoint("nemotron_h")[0], **TINY, progress=False)
+    done: dict[str, list[list[int]]] = {}
+
+    def tokens(prompts: list[dict]) -> list[list[int]]:
+        key = repr(prompts)
+        if key not in done:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            done[key] = [o.outputs[0].token_ids for o in outs]
+        return done[key]
+
+    return tokens
 
 
 @pytest.mark.parametrize(
     "prefill_tp,decode_tp,mode",
     [(1, 1, "push"), (2, 1, "pull"), (2, 1, "push"), (1, 2, "pull"), (1, 2, "push")],
 )
-def test_processes_match_colocated_for_each_tp_and_mode(hf_checkpoint, prefill_tp, decode_tp, mode):
+def test_processes_match_colocated_for_each_tp_and_mode(
+    hf_checkpoint, colocated, prefill_tp, decode_tp, mode
+):
     """(1, 1, "pull") is test_processes_match_colocated_and_leases_free_unread_pages."""
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(32, seed=4)
-    want = _colocated(directory, prompts)
+    want = colocated(prompts)
     with DisaggregatedLLM(
-        directory,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=32,
-        max_num_batched_tokens=2048,
-        transfer_mode=mode,
+        directory, prefill_tp=prefill_tp, decode_tp=decode_tp, **TINY, transfer_mode=mode
     ) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == want
@@ -57,9 +65,7 @@ def test_processes_match_colocated_for_each_tp_and_mode(hf_checkpoint, prefill_t
 
 def test_decode_process_killed_mid_transfer_frees_prefill_pages(hf_checkpoint):
     directory = hf_checkpoint("nemotron_h")[0]
-    with DisaggregatedLLM(
-        directory, dtype="float32", max_model_len=128, max_num_seqs=8, lease_s=2.0
-    ) as llm:
+    with DisaggregatedLLM(directory, **TINY, lease_s=2.0) as llm:
         prompts = {f"r{i}": p["prompt_token_ids"] for i, p in enumerate(_prompts(8, seed=6))}
         for req_id, ids in prompts.items():
             llm.prefill.send(
@@ -97,20 +103,13 @@ def test_decode_process_killed_mid_transfer_frees_prefill_pages(hf_checkpoint):
         assert final["pages_used"] == 0 and final["held"] == 0
 
 
-def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
+def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint, colocated):
     """Also: a one-token prompt (nothing to transfer: the decode side prefills it), and a call
     that times out aborts its requests in both workers and leaves the object usable."""
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = [*_prompts(31), {"prompt_token_ids": [7]}]
-    want = _colocated(directory, prompts)
-    with DisaggregatedLLM(
-        directory,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=32,
-        max_num_batched_tokens=2048,
-        lease_s=2.0,
-    ) as llm:
+    want = colocated(prompts)
+    with DisaggregatedLLM(directory, **TINY, lease_s=2.0) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == want
         for out in outputs:  # the first token comes from prefill, the rest after the transfer
@@ -151,10 +150,10 @@ def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_dead_prefill_engine_recomputes_or_fails_with_a_reason(hf_checkpoint, policy):
+def test_dead_prefill_engine_recomputes_or_fails_with_a_reason(hf_checkpoint, colocated, policy):
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(4, seed=1)
-    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=8, progress=False)
+    kw = dict(**TINY, progress=False)
     prefill = LLM(directory, kv_transfer_config=KVTransferConfig(kv_role="kv_producer"), **kw)
     decode = LLM(
         directory,
@@ -163,24 +162,25 @@ def test_dead_prefill_engine_recomputes_or_fails_with_a_reason(hf_checkpoint, po
         ),
         **kw,
     )
-    handed = prefill.generate(
-        [{**p, "kv_transfer_params": {"do_remote_decode": True}} for p in prompts],
-        GREEDY,
-        use_tqdm=False,
-    )
-    prefill.engine.connector.close()  # the prefill engine dies: no side channel, no agent
-    outs = decode.generate(
-        [
-            {**p, "kv_transfer_params": o.kv_transfer_params}
-            for p, o in zip(prompts, handed, strict=True)
-        ],
-        GREEDY,
-        use_tqdm=False,
-    )
-    if policy == "recompute":
-        assert [o.outputs[0].token_ids for o in outs] == _colocated(directory, prompts)
-    else:
-        for o in outs:
-            assert o.outputs[0].finish_reason == "abort"
-            assert "cannot reach the producer" in o.outputs[0].stop_reason
-    assert decode.engine.scheduler.coordinator.pool.num_used == 0
+    with prefill, decode:
+        handed = prefill.generate(
+            [{**p, "kv_transfer_params": {"do_remote_decode": True}} for p in prompts],
+            GREEDY,
+            use_tqdm=False,
+        )
+        prefill.engine.connector.close()  # the prefill engine dies: no side channel, no agent
+        outs = decode.generate(
+            [
+                {**p, "kv_transfer_params": o.kv_transfer_params}
+                for p, o in zip(prompts, handed, strict=True)
+            ],
+            GREEDY,
+            use_tqdm=False,
+        )
+        if policy == "recompute":
+            assert [o.outputs[0].token_ids for o in outs] == colocated(prompts)
+        else:
+            for o in outs:
+                assert o.outputs[0].finish_reason == "abort"
+                assert "cannot reach the producer" in o.outputs[0].stop_reason
+        assert decode.engine.scheduler.coordinator.pool.num_used == 0

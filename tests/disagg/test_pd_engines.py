@@ -62,6 +62,34 @@ def _prompts(n, seed=0):
     return [rng.integers(3, 512, size=int(rng.integers(2, 60))).tolist() for _ in range(n)]
 
 
+@pytest.fixture(scope="module")
+def shared(hf_checkpoint):
+    """`shared(tp=1, role=None, mode="pull")`: engines with the default transfer settings on
+    the nemotron_h checkpoint, one per distinct setting, kept for the module (the tests that
+    share one check its counters as differences) and closed at its end."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    made: dict[tuple, LLM] = {}
+
+    def get(tp: int = 1, role: str | None = None, mode: str = "pull") -> LLM:
+        key = (tp, role, mode if role == "kv_consumer" else None)
+        if key not in made:
+            made[key] = _make_llm(directory, tp, role, mode, None)
+        return made[key]
+
+    yield get
+    for llm in made.values():
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def colocated_32(shared) -> list[list[int]]:
+    """The colocated greedy tokens of `_prompts(32)`."""
+    outs = shared().generate(
+        [{"prompt_token_ids": p} for p in _prompts(32)], GREEDY, use_tqdm=False
+    )
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
     outs = prefill.generate(
         [
@@ -85,22 +113,15 @@ def _pd_generate(prefill: LLM, decode: LLM, prompts, params):
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 1), (1, 2)])
-def test_pd_matches_colocated_for_32_requests(hf_checkpoint, prefill_tp, decode_tp, mode):
-    directory = hf_checkpoint("nemotron_h")[0]
-    prompts = _prompts(32)
-    colocated = [
-        o.outputs[0].token_ids
-        for o in _llm(directory).generate(
-            [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
-        )
-    ]
-    prefill = _llm(directory, prefill_tp, "kv_producer")
-    decode = _llm(directory, decode_tp, "kv_consumer", mode)
-    assert _pd_generate(prefill, decode, prompts, GREEDY) == colocated
+def test_pd_matches_colocated_for_32_requests(shared, colocated_32, prefill_tp, decode_tp, mode):
+    prefill = shared(prefill_tp, "kv_producer")
+    decode = shared(decode_tp, "kv_consumer", mode)
+    failures = decode.engine.connector.failures
+    assert _pd_generate(prefill, decode, _prompts(32), GREEDY) == colocated_32
     for engine in (prefill.engine, decode.engine):
         assert engine.scheduler.coordinator.pool.num_used == 0
         assert not engine.scheduler.held
-    assert decode.engine.connector.failures == 0
+    assert decode.engine.connector.failures == failures
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -204,14 +225,13 @@ def test_close_releases_the_agent_and_the_handshake_server(hf_checkpoint):
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_decode_side_prefix_reuse_takes_the_mamba_state_from_the_transfer(hf_checkpoint, mode):
+def test_decode_side_prefix_reuse_takes_the_mamba_state_from_the_transfer(shared, mode):
     """A Mamba hybrid: a second P/D request sharing 2 prefix units with a first one shares the
     decode engine's cached attention pages of those units (no Mamba snapshot is needed there:
     the transfer brings the state after the whole prompt), receives fewer bytes, and gives the
     colocated tokens."""
-    directory = hf_checkpoint("nemotron_h")[0]
-    prefill = _llm(directory, 1, "kv_producer")
-    decode = _llm(directory, 1, "kv_consumer", mode)
+    prefill = shared(1, "kv_producer")
+    decode = shared(1, "kv_consumer", mode)
     coord = decode.engine.scheduler.coordinator
     unit, size = coord.unit, coord.block_size
     assert coord.mamba and unit == size  # whole pages: the hit is all shared
@@ -220,16 +240,19 @@ def test_decode_side_prefix_reuse_takes_the_mamba_state_from_the_transfer(hf_che
     second = first[: 2 * unit] + rng.integers(3, 512, 14).tolist()
     colocated = [
         o.outputs[0].token_ids
-        for o in _llm(directory).generate(
+        for o in shared().generate(
             [{"prompt_token_ids": p} for p in (first, second)], GREEDY, use_tqdm=False
         )
     ]
     stats = decode.engine.stats
+    before = stats()
     assert _pd_generate(prefill, decode, [first], GREEDY) == colocated[:1]
-    alone = stats()["transfer_bytes_received"]
+    alone = stats()["transfer_bytes_received"] - before["transfer_bytes_received"]
+    hits = stats()["prefix_cache_hit_tokens"]
     assert _pd_generate(prefill, decode, [second], GREEDY) == colocated[1:]
-    assert stats()["prefix_cache_hit_tokens"] == 2 * unit
-    assert 0 < stats()["transfer_bytes_received"] - alone < alone
+    assert stats()["prefix_cache_hit_tokens"] - hits == 2 * unit
+    second_bytes = stats()["transfer_bytes_received"] - before["transfer_bytes_received"] - alone
+    assert 0 < second_bytes < alone
     for engine in (prefill.engine, decode.engine):
         assert engine.scheduler.coordinator.pool.num_used == 0
-    assert stats()["transfer_failures"] == 0
+    assert stats()["transfer_failures"] == before["transfer_failures"]

@@ -17,6 +17,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+from engine_shapes import TINY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pd_polling import polling
@@ -39,21 +40,15 @@ FUZZ = settings(
 
 
 def _llm(directory, role, **kv):
-    return LLM(
-        directory,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=8,
-        progress=False,
-        kv_transfer_config=KVTransferConfig(kv_role=role, secret=SECRET, lease_s=600.0, **kv),
-    )
+    config = KVTransferConfig(kv_role=role, secret=SECRET, lease_s=600.0, **kv)
+    return LLM(directory, **TINY, progress=False, kv_transfer_config=config)
 
 
 @pytest.fixture(scope="module")
 def pair(hf_checkpoint):
     directory = hf_checkpoint("nemotron_h")[0]
     prefill, decode = _llm(directory, "kv_producer"), _llm(directory, "kv_consumer")
-    cold = LLM(directory, dtype="float32", max_model_len=128, max_num_seqs=8, progress=False)
+    cold = LLM(directory, **TINY, progress=False)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(10, 500, n).tolist() for n in (21, 34)]
     expected = [

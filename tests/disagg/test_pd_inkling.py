@@ -24,22 +24,17 @@ import time
 
 import numpy as np
 import pytest
+from engine_shapes import INKLING
 from pd_polling import polling
 
 from hybridserve import LLM
 from hybridserve.config import KVTransferConfig, MtpConfig
-from tests.disagg.test_pd_engines import (  # noqa: F401
-    GREEDY,
-    _llm,
-    _pd_generate,
-    close_engines,
-)
+from tests.disagg.test_pd_engines import GREEDY, _pd_generate
 from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
 
 CHUNK = 32  # the prefill engine's max_prefill_chunk
-COMMON = dict(
-    dtype="float32", max_model_len=128, max_num_seqs=32, max_num_batched_tokens=2048, progress=False
-)
+COMMON = dict(**INKLING, progress=False)
+SEATS = INKLING["max_num_seqs"]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +118,7 @@ def test_inkling_pd_matrix(engines, mode, prefill_tp, decode_tp, chunks):
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_request_waiting_past_its_deadline_is_given_up_on_both_sides(engines, policy):
-    # 32 local requests take every seat of the decode engine; a P/D request then waits for a
+    # SEATS local requests take every seat of the decode engine; a P/D request then waits for a
     # seat past its 0.5 s deadline: it fails with the reason (or recomputes locally, giving the
     # cold tokens), and the prefill engine frees its pages at once (its lease is 600 s). A
     # second waiting request aborted by the client frees the prefill pages the same way.
@@ -142,10 +137,10 @@ def test_a_request_waiting_past_its_deadline_is_given_up_on_both_sides(engines, 
     assert len(prefill.engine.scheduler.held) == 2
     engine = decode.engine
     busy = dataclasses.replace(GREEDY, max_tokens=100)
-    for i in range(32):
+    for i in range(SEATS):
         engine.add_request([20 + i, 30], busy, req_id=f"busy-{i}")
     engine.step()
-    assert engine.scheduler.num_running == 32
+    assert engine.scheduler.num_running == SEATS
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         engine.add_request(p, GREEDY, req_id=f"pd-{i}", kv_transfer_params=o.kv_transfer_params)
     assert len(engine.remote.waiting) == 2
@@ -163,7 +158,7 @@ def test_a_request_waiting_past_its_deadline_is_given_up_on_both_sides(engines, 
         assert out.finish_reason == "abort" and "wait_timeout_s" in out.stop_reason
     else:
         assert "pd-0" not in finished and "pd-0" in engine.scheduler.requests
-    for i in range(32):
+    for i in range(SEATS):
         engine.abort_request(f"busy-{i}")
     result = {}
     while engine.has_unfinished():
@@ -216,11 +211,16 @@ def test_inkling_pd_with_mtp_speculation_matches_colocated(tmp_path):
     ckpt = save_inkling(build_inkling(cfg, seed=6), cfg, tmp_path / "m")
     rng = np.random.default_rng(6)
     prompts = [rng.integers(10, 4000, int(n)).tolist() for n in rng.integers(2, 60, 8)]
-    colocated = greedy(_llm(ckpt), prompts)
+    colocated = greedy(LLM(ckpt, **COMMON), prompts)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    prefill = _llm(ckpt, 1, "kv_producer", speculative_config=spec)
-    decode = _llm(ckpt, 1, "kv_consumer", "pull", speculative_config=spec)
-    assert _pd_generate(prefill, decode, prompts, GREEDY) == colocated
-    assert decode.engine.stats()["spec_num_drafts"] > 0
-    for engine in (prefill.engine, decode.engine):
-        assert engine.scheduler.coordinator.pool.num_used == 0
+
+    def role(kv_role: str) -> KVTransferConfig:
+        return KVTransferConfig(kv_role=kv_role, lease_s=600.0)
+
+    prefill = LLM(ckpt, kv_transfer_config=role("kv_producer"), speculative_config=spec, **COMMON)
+    decode = LLM(ckpt, kv_transfer_config=role("kv_consumer"), speculative_config=spec, **COMMON)
+    with prefill, decode:
+        assert _pd_generate(prefill, decode, prompts, GREEDY) == colocated
+        assert decode.engine.stats()["spec_num_drafts"] > 0
+        for engine in (prefill.engine, decode.engine):
+            assert engine.scheduler.coordinator.pool.num_used == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_shapes import TINY, pool_of
 
 from hybridserve import LLM, SamplingParams
 
@@ -12,13 +13,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(hf_checkpoint):
-    return LLM(
-        hf_checkpoint("nemotron_h")[0],
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=2,
-        max_prefill_chunk=8,
-    )
+    """Two seats and chunks of 8 tokens (slot reuse, chunked prefill), on TINY's pool."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    kw = {**TINY, "max_num_seqs": 2, "max_prefill_chunk": 8, "cache": pool_of(directory)}
+    return LLM(directory, **kw)
 
 
 def _prompts():
@@ -83,7 +81,7 @@ def test_bad_inputs_are_refused_clearly(llm):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 99999]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate({"prompt_token_ids": [5] * 64}, GREEDY, use_tqdm=False)
+        llm.generate({"prompt_token_ids": [5] * TINY["max_model_len"]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"prompt": "x"}, GREEDY, use_tqdm=False)
     for kwargs, message in [

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_shapes import SERVED, TINY, pool_of
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.api import DEFAULT_MODEL
 
 
 def _llm(directory, **kw) -> LLM:
-    kw = {
-        "dtype": "float32",
-        "max_model_len": 256,
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 1024,
-        "progress": False,
-        **kw,
-    }
-    return LLM(directory, **kw)
+    return LLM(directory, **{**TINY, "progress": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def nemotron(hf_checkpoint) -> LLM:
+    """One engine on the tiny nemotron_h checkpoint for the tests that need no settings of
+    their own (each leaves it with no request unfinished)."""
+    return _llm(hf_checkpoint("nemotron_h")[0])
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict]:
@@ -34,8 +34,8 @@ def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_sixteen_concurrent_requests_equal_each_alone(hf_checkpoint):
-    llm = _llm(hf_checkpoint("nemotron_h")[0])
+def test_sixteen_concurrent_requests_equal_each_alone(nemotron):
+    llm = nemotron
     prompts = _prompts(16)
     params = [
         SamplingParams(
@@ -51,9 +51,9 @@ def test_sixteen_concurrent_requests_equal_each_alone(hf_checkpoint):
     assert [len(t) for t in together] == [8 + 3 * i for i in range(16)]
 
 
-def test_prefix_cache_hit_gives_the_cold_output(hf_checkpoint):
+def test_prefix_cache_hit_gives_the_cold_output(hf_checkpoint, nemotron):
     directory = hf_checkpoint("nemotron_h")[0]
-    warm = _llm(directory)
+    warm = nemotron
     block = warm.engine.runner.plan.block_size
     rng = np.random.default_rng(7)
     shared = rng.integers(3, 512, size=2 * block + 5).tolist()  # two full pages and more
@@ -74,11 +74,11 @@ def test_prefix_cache_hit_gives_the_cold_output(hf_checkpoint):
     np.testing.assert_allclose(hot_lp, cold_lp, atol=1e-4)
 
 
-def test_tensor_parallel_two_gives_the_same_tokens(hf_checkpoint):
+def test_tensor_parallel_two_gives_the_same_tokens(hf_checkpoint, nemotron):
     directory = hf_checkpoint("nemotron_h")[0]
     prompts = _prompts(4, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    one = _tokens(_llm(directory).generate(prompts, params, use_tqdm=False))
+    one = _tokens(nemotron.generate(prompts, params, use_tqdm=False))
     two = _tokens(_llm(directory, tensor_parallel_size=2).generate(prompts, params, use_tqdm=False))
     assert one == two
 
@@ -122,7 +122,7 @@ def test_logprobs_and_min_p(hf_checkpoint):
 
 
 def test_stop_strings_on_the_default_model():
-    llm = LLM(DEFAULT_MODEL, max_model_len=256, progress=False)
+    llm = LLM(DEFAULT_MODEL, **SERVED, progress=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     text = llm.generate("def ", greedy, use_tqdm=False)[0].outputs[0].text
     stop = text[8:12]
@@ -136,8 +136,8 @@ def test_stop_strings_on_the_default_model():
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
-def test_a_bad_request_disturbs_nothing(hf_checkpoint):
-    llm = _llm(hf_checkpoint("nemotron_h")[0], max_model_len=64)
+def test_a_bad_request_disturbs_nothing(nemotron):
+    llm = nemotron
     good = _prompts(2, seed=11)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(
@@ -145,7 +145,9 @@ def test_a_bad_request_disturbs_nothing(hf_checkpoint):
         )
     assert not llm.engine.has_unfinished()  # nothing of the batch was queued
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate({"prompt_token_ids": [5] * 64}, SamplingParams(), use_tqdm=False)
+        llm.generate(
+            {"prompt_token_ids": [5] * TINY["max_model_len"]}, SamplingParams(), use_tqdm=False
+        )
     for kwargs, message in [({"min_p": 2.0}, "min_p"), ({"logprobs": 99}, "logprobs")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
@@ -154,11 +156,13 @@ def test_a_bad_request_disturbs_nothing(hf_checkpoint):
 
 
 def test_no_recompilation_after_warmup(hf_checkpoint):
+    directory = hf_checkpoint("nemotron_h")[0]
     llm = _llm(
-        hf_checkpoint("nemotron_h")[0],
+        directory,
         max_num_seqs=4,
         max_prefill_chunk=32,
         max_num_batched_tokens=64,
+        cache=pool_of(directory),  # TINY's pool: the warmup finds most programs compiled
     )
     runner = llm.engine.runner
     programs = runner.warmup(4, 32)

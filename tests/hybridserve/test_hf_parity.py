@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from engine_shapes import SERVED, TINY
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig
@@ -23,10 +24,19 @@ def _prompt(seed: int = 1234, n: int = PROMPT_LEN) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, 512, size=n)
 
 
+_RUNNERS: dict[tuple[str, int], object] = {}
+
+
 def _runner(directory, tp: int = 1):
-    return make_runner(
-        str(directory), dtype="float32", tp=tp, cache=CacheConfig(num_pages=64), max_model_len=64
-    )
+    """One runner per checkpoint and TP size for the module (every sequence a test runs on it
+    starts at position 0, from zero state, on pages it writes before it reads them)."""
+    key = (str(directory), tp)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = make_runner(
+            str(directory), dtype="float32", tp=tp, cache=CacheConfig(num_pages=64),
+            max_model_len=64,
+        )  # fmt: skip
+    return _RUNNERS[key]
 
 
 def _full_logits(runner, ids: np.ndarray) -> np.ndarray:
@@ -45,7 +55,9 @@ def test_full_forward_logits_match_transformers(hf_checkpoint, family):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * scale)
 
 
-def _greedy_pair(directory, hf, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
+def _greedy_pair(
+    directory, hf, prompt: list[int], n: int, settings: dict = TINY
+) -> tuple[list[int], list[int]]:
     """(our greedy tokens, transformers' greedy tokens), n each, EOS ignored by both."""
     with torch.no_grad():
         ref = hf.generate(
@@ -56,7 +68,7 @@ def _greedy_pair(directory, hf, prompt: list[int], n: int) -> tuple[list[int], l
             eos_token_id=None,
             pad_token_id=0,
         )
-    llm = LLM(directory, dtype="float32", max_model_len=128)
+    llm = LLM(directory, **settings, progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": list(prompt)}, params, use_tqdm=False)
     return out[0].outputs[0].token_ids, ref[0, len(prompt) :].tolist()
@@ -120,5 +132,5 @@ def test_default_model_greedy_matches_transformers():
 
     prompt = Tokenizer(DEFAULT_MODEL).encode("def read(self, path):\n")
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    ours, ref = _greedy_pair(DEFAULT_MODEL, hf, prompt, 24)
+    ours, ref = _greedy_pair(DEFAULT_MODEL, hf, prompt, 24, SERVED)
     assert ours == ref

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_shapes import INKLING
 from flax import nnx
 
 from hybridserve import LLM, SamplingParams
@@ -73,7 +74,7 @@ def test_greedy_decoding_matches_numpy(tiny):
     # 16-token page boundary; every token is numpy's greedy choice.
     cfg, _, params, path = tiny
     prompt = _ids(np.random.default_rng(1), 20, cfg.vocab_size).tolist()
-    llm = LLM(path, dtype="float32", max_model_len=128, progress=False)
+    llm = LLM(path, **INKLING, progress=False)
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     got = list(out[0].outputs[0].token_ids)
