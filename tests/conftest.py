@@ -5,8 +5,14 @@ The suite builds many engines over the same few tiny models, in the test process
 worker, server and notebook processes they start; each engine jits its own step functions, so
 without a cache every one of them compiles the same XLA programs again. JAX's persistent
 compilation cache (keyed by the program, its devices and compile options) lets every process
-after the first load them instead. The environment variables set here reach every process the
-tests start. `HYBRIDSERVE_TEST_JAX_CACHE=0` turns it off.
+after the first load them instead. Every program is kept, however quickly it compiled: the
+eager ops of building models and of the op tests (random initialisers, casts) compile anew in
+every process otherwise, and they add up (a sixth of one module's time). The environment
+variables set here reach every process the tests start. `HYBRIDSERVE_TEST_JAX_CACHE=0` turns
+the cache off.
+
+`tests/engine_shapes.py` keeps the engines of different tests on the same settings, so that
+they share programs; `duration_guard.py` fails a run that exceeds the suite's time budget.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("HYBRIDSERVE_TEST_JAX_CACHE", "1") != "0":
     cache = Path(tempfile.gettempdir()) / f"hybridserve-test-jax-cache-{getpass.getuser()}"
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -65,3 +65,16 @@ def jax_normal(rngs: nnx.Rngs, shape: tuple[int, ...]):
 def save_inkling(model: HybridModel, cfg: ModelConfig, path: Path) -> str:
     save_converted(model, cfg, path, DEFAULT_MODEL, jnp.float32)
     return str(path)
+
+
+def one_pass_greedy(runner, ids: list[int], n: int, mm=None) -> list[int]:
+    """`n` greedy tokens after `ids`, each the argmax of one-pass logits of the whole sequence
+    so far (`runner.sequence_logits`: no paged decode, no batching; `mm` its multimodal
+    embeddings): the reference for what the engine generates."""
+    import numpy as np
+
+    seq = list(ids)
+    for _ in range(n):
+        logits = np.asarray(runner.sequence_logits(seq, mm))
+        seq.append(int(np.argmax(logits[-1])))
+    return seq[len(ids) :]

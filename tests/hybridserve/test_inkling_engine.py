@@ -14,6 +14,7 @@ from tests.hybridserve.inkling_models import (
     AUDIO_TOKEN,
     IMAGE_TOKEN,
     build_inkling,
+    one_pass_greedy,
     save_inkling,
     tiny_inkling,
 )
@@ -34,12 +35,7 @@ def llm(ckpt) -> LLM:
 
 
 def _greedy(llm: LLM, ids: list[int], n: int, mm=None) -> list[int]:
-    """Greedy continuation from one-pass logits of the whole sequence at every step."""
-    seq = list(ids)
-    for _ in range(n):
-        logits = np.asarray(llm.engine.runner.sequence_logits(seq, mm))
-        seq.append(int(np.argmax(logits[-1])))
-    return seq[len(ids) :]
+    return one_pass_greedy(llm.engine.runner, ids, n, mm)
 
 
 def _tokens(out) -> list[int]:

@@ -1,8 +1,10 @@
 """Speculative decoding with MTP heads through the engine (tiny Inkling with 3 heads).
 
-- Greedy: the speculative output equals the plain output token for token (continuous batching,
-  chunked prefill, prefix-cache hits), with the real heads proposing (random weights: most
-  drafts are rejected, so the rollback path runs constantly).
+- Greedy: the speculative output equals plain greedy decoding token for token (continuous
+  batching, chunked prefill, prefix-cache hits), with the real heads proposing (random
+  weights: most drafts are rejected, so the rollback path runs constantly). The plain
+  reference is greedy decoding from one-pass logits of the whole sequence (no paged decode, no
+  batching; the engine's plain decoding equals it, test_inkling_engine).
 - Perfect drafts (an oracle replaying the plain greedy run): every verifying step emits k + 1.
 - Sampling: the joint distribution of the first three output tokens matches the exact one
   computed from the model's logits (chi-square), with drafts that are often accepted and often
@@ -22,14 +24,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from chi_square import p_value, sample_size
+from engine_shapes import pool_of
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import MtpConfig
 from hybridserve.runner.sampler import filtered_logits
 from hybridserve.runner.speculative import verify
-from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
+from tests.hybridserve.inkling_models import (
+    build_inkling,
+    one_pass_greedy,
+    save_inkling,
+    tiny_inkling,
+)
 
 K = 3
+# Three seats (five prompts queue), chunks of 16 tokens; every engine of the module keeps the
+# pool of these settings, so the programs of its rows carry from engine to engine.
+SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=3, max_prefill_chunk=16)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +50,13 @@ def ckpt(tmp_path_factory) -> str:
 
 
 def _llm(ckpt: str, spec: dict | None = None, **kw) -> LLM:
-    kw = {"max_model_len": 128, "max_num_seqs": 3, "max_prefill_chunk": 16, **kw}
-    return LLM(ckpt, dtype="float32", progress=False, speculative_config=spec, **kw)
+    return LLM(ckpt, **{**SETTINGS, **kw}, progress=False, speculative_config=spec)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt) -> LLM:
+    """A plain engine, for its runner's one-pass logits (the module's references)."""
+    return _llm(ckpt)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -61,11 +77,10 @@ PLAIN_TOKENS = 1 + 4 * (K + 1)  # the prefill token, then four steps of k + 1
 
 
 @pytest.fixture(scope="module")
-def plain(ckpt) -> list[list[int]]:
-    """The plain (no speculation) greedy outputs of `_prompts()`, PLAIN_TOKENS each; greedy
-    decoding is batch-invariant (test_engine), so a shorter run is their prefix."""
-    params = SamplingParams(temperature=0.0, max_tokens=PLAIN_TOKENS, ignore_eos=True)
-    return _run(_llm(ckpt), _prompts(), params)
+def plain(reference) -> list[list[int]]:
+    """The plain greedy continuations of `_prompts()`, PLAIN_TOKENS each, from one-pass logits
+    (a shorter run is their prefix)."""
+    return [one_pass_greedy(reference.engine.runner, p, PLAIN_TOKENS) for p in _prompts()]
 
 
 def test_greedy_mtp_equals_plain_decoding(ckpt, plain):
@@ -151,8 +166,8 @@ TOP_K, PROMPT, ALPHA, MAX_TOKENS = 4, list(range(100, 111)), 1e-3, 4
 
 
 @pytest.fixture(scope="module")
-def chain(ckpt) -> Chain:
-    runner = _llm(ckpt).engine.runner
+def chain(reference) -> Chain:
+    runner = reference.engine.runner
     logits, probs, best = {}, {}, {}
     one = jnp.ones(1)
 
@@ -181,13 +196,15 @@ def test_sampled_output_distribution_is_exact(chain, ckpt):
     size a power calculation gives for catching half of `Chain.resampling_fault` (the outputs
     of a verifier with that fault one time in two) at ALPHA with probability 0.99 (about a
     thousand requests on this model; the test used 10,000 before). Grosser faults, such as
-    accepting every draft or sharing one key between requests, show with far fewer."""
+    accepting every draft or sharing one key between requests, show with far fewer. Eight
+    seats on the three-seat pool: the rows of up to four are the perfect-drafts test's
+    programs."""
     exact = chain.exact()
     fault = 0.5 * exact + 0.5 * chain.resampling_fault()
     n = sample_size(exact, fault, ALPHA, 0.99)
     assert n <= 2_000, f"the power calculation asks for {n} requests"
     spec = {"method": "oracle", "num_speculative_tokens": K, "oracle": chain.oracle}
-    llm = _llm(ckpt, spec, max_num_seqs=128)
+    llm = _llm(ckpt, spec, max_num_seqs=8, cache=pool_of(ckpt, SETTINGS))
     params = SamplingParams(
         temperature=1.0, top_k=TOP_K, max_tokens=MAX_TOKENS, ignore_eos=True, seed=None
     )

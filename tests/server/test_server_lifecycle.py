@@ -13,6 +13,9 @@ import httpx
 import pytest
 from server_harness import SMALL, ServerProcess, wait_until
 
+from hybridserve.cli import main
+from hybridserve.engine import LLMEngine
+
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -58,11 +61,22 @@ def test_help_names_the_flags_and_the_conv_layout_variable():
         ('{"lease_s": "long"}', "wrong type"),
     ],
 )
-def test_bad_kv_transfer_config_is_refused_before_loading(config, message):
+def test_bad_kv_transfer_config_is_refused_before_loading(config, message, capsys, monkeypatch):
+    """In this process (the command's own exit is checked below): the error comes before any
+    model is loaded."""
+    loaded = []
+    monkeypatch.setattr(LLMEngine, "__init__", lambda *a, **kw: loaded.append(a))
+    assert main(["serve", "--kv-transfer-config", config]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "hybridserve serve: error:" in err
+    assert not loaded
+
+
+def test_the_command_exits_2_on_a_bad_kv_transfer_config():
     start = time.monotonic()
-    proc = _serve("--kv-transfer-config", config)
+    proc = _serve("--kv-transfer-config", '{"kv_role": "kv_prefill"}')
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "hybridserve serve: error:" in proc.stderr
+    assert "kv_role must be one of" in proc.stderr and "hybridserve serve: error:" in proc.stderr
     assert time.monotonic() - start < 60
 
 
