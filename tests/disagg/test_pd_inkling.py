@@ -14,7 +14,9 @@ without prefix caching (the cold run):
      (half of it: a hit there would read never-written window bytes; or all of it plus some
      of the output: a hit on transferred and decoded units) give the cold tokens;
   4. both pools end with no page in use and nothing held.
-Engines are built once per module (same shapes everywhere, so compiled programs are reused).
+Engines are built once per module (same shapes everywhere, so compiled programs are reused),
+and every engine, the cold one too, prefills in chunks of 32 (chunked prefill equals one pass:
+test_inkling_engine), so that every prefill program has 16 or 32 tokens per row.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hybridserve.config import KVTransferConfig, MtpConfig
 from tests.disagg.test_pd_engines import GREEDY, _pd_generate
 from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
 
-CHUNK = 32  # the prefill engine's max_prefill_chunk
+CHUNK = 32  # every engine's max_prefill_chunk
 COMMON = dict(**INKLING, progress=False)
 SEATS = INKLING["max_num_seqs"]
 
@@ -52,15 +54,16 @@ def engines(ckpt):
         key = (name, tp, tuple(sorted(kv.items())))
         if key not in made:
             if name == "cold":
-                made[key] = LLM(ckpt, enable_prefix_caching=False, **COMMON)
+                made[key] = LLM(
+                    ckpt, enable_prefix_caching=False, max_prefill_chunk=CHUNK, **COMMON
+                )
             else:
                 role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
                 config = KVTransferConfig(kv_role=role[name], **{"lease_s": 600.0, **kv})
-                chunk = 256 if name == "decode" else CHUNK
                 made[key] = LLM(
                     ckpt,
                     tensor_parallel_size=tp,
-                    max_prefill_chunk=chunk,
+                    max_prefill_chunk=CHUNK,
                     kv_transfer_config=config,
                     **COMMON,
                 )
