@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridserve.disagg.worker import WorkerHandle, spawn_worker
+from hybridserve.disagg.worker import WorkerSpec, spawn_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
@@ -81,31 +81,23 @@ class Deployment:
 
     def __init__(self, mode: str, model: str, args: argparse.Namespace, on_gpu: bool) -> None:
         self.mode = mode
-        self.workers: list[WorkerHandle] = []
         self.runs = 0  # request ids are unique over runs (a prefill engine may still hold pages)
-        try:
-            if mode == "colocated":
-                tp = args.colocated_tp
-                for i in range(args.gpus // tp):
-                    env = _gpu_env(i * tp, tp, on_gpu)
-                    self.workers.append(
-                        spawn_worker(engine_kwargs(model, args, tp), None, tp, env=env)
-                    )
-                self.gpus = tp * len(self.workers)
-            else:
-                p, d = args.prefill_tp, args.decode_tp
-                kv = {"kv_role": "kv_producer"}
-                self.workers.append(
-                    spawn_worker(engine_kwargs(model, args, p), kv, p, env=_gpu_env(0, p, on_gpu))
-                )
-                kv = {"kv_role": "kv_consumer", "transfer_mode": args.transfer_mode}
-                self.workers.append(
-                    spawn_worker(engine_kwargs(model, args, d), kv, d, env=_gpu_env(p, d, on_gpu))
-                )
-                self.gpus = p + d
-        except Exception:
-            self.close()
-            raise
+        if mode == "colocated":
+            tp = args.colocated_tp
+            specs = [
+                WorkerSpec(engine_kwargs(model, args, tp), None, tp, _gpu_env(i * tp, tp, on_gpu))
+                for i in range(args.gpus // tp)
+            ]
+        else:
+            p, d = args.prefill_tp, args.decode_tp
+            consumer = {"kv_role": "kv_consumer", "transfer_mode": args.transfer_mode}
+            specs = [
+                WorkerSpec(engine_kwargs(model, args, p), {"kv_role": "kv_producer"}, p,
+                           _gpu_env(0, p, on_gpu)),
+                WorkerSpec(engine_kwargs(model, args, d), consumer, d, _gpu_env(p, d, on_gpu)),
+            ]  # fmt: skip
+        self.workers = spawn_workers(specs)  # all at once; stopped together on an error
+        self.gpus = sum(spec.devices for spec in specs)
 
     def close(self) -> None:
         for worker in self.workers:

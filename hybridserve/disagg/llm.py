@@ -21,7 +21,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hybridserve.api import DEFAULT_MODEL
-from hybridserve.disagg.worker import WorkerHandle, spawn_worker
+from hybridserve.disagg.worker import WorkerHandle, WorkerSpec, spawn_workers
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
@@ -62,24 +62,24 @@ class DisaggregatedLLM:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.tokenizer = Tokenizer.maybe_load(model)
-        self.prefill = spawn_worker(
-            {**common, "tensor_parallel_size": prefill_tp},
-            {"kv_role": "kv_producer", "lease_s": lease_s},
-            prefill_tp,
+        self.prefill, self.decode = spawn_workers(
+            [
+                WorkerSpec(
+                    {**common, "tensor_parallel_size": prefill_tp},
+                    {"kv_role": "kv_producer", "lease_s": lease_s},
+                    prefill_tp,
+                ),
+                WorkerSpec(
+                    {**common, "tensor_parallel_size": decode_tp},
+                    {
+                        "kv_role": "kv_consumer",
+                        "failure_policy": failure_policy,
+                        "transfer_mode": transfer_mode,
+                    },
+                    decode_tp,
+                ),
+            ]
         )
-        try:
-            self.decode = spawn_worker(
-                {**common, "tensor_parallel_size": decode_tp},
-                {
-                    "kv_role": "kv_consumer",
-                    "failure_policy": failure_policy,
-                    "transfer_mode": transfer_mode,
-                },
-                decode_tp,
-            )
-        except Exception:
-            self.prefill.stop()
-            raise
         self._counter = 0
 
     def __enter__(self) -> DisaggregatedLLM:

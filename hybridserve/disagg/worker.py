@@ -1,8 +1,9 @@
 """An engine in its own process, driven over a pipe with msgpack messages (never pickle).
 
 Lifecycle:
-  1. `spawn_worker(...)` starts a process (spawn) that sets its JAX devices, builds an
-     `LLMEngine` (with its kv_transfer role, or none) and replies {"ready": ...} or {"error": ...}.
+  1. `spawn_workers(specs)` starts one process (spawn) per `WorkerSpec`, all at once; each sets
+     its JAX devices, builds an `LLMEngine` (with its kv_transfer role, or none) and replies
+     {"ready": ...} or {"error": ...}.
   2. The parent sends {"op": "add", "req_id", "prompt_token_ids", "params", "kv", "timing"?},
      {"op": "abort", "req_id"}, {"op": "stats"} or {"op": "stop"}.
   3. The worker loop steps the engine whenever it has work (P/D bookkeeping included) and sends
@@ -152,26 +153,43 @@ class WorkerHandle:
             self.process.join()
 
 
-def spawn_worker(
-    engine_kwargs: dict[str, Any],
-    kv: dict[str, Any] | None,
-    devices: int,
-    start_timeout: float = 600.0,
-    env: dict[str, str] | None = None,
-) -> WorkerHandle:
-    """Start an engine process; returns once it is ready (raises with its error otherwise).
-    `kv=None`: a plain (colocated) engine; `env`: variables set in the worker before JAX loads
-    (on GPUs: `JAX_PLATFORMS=cuda` and the worker's `CUDA_VISIBLE_DEVICES`)."""
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """One worker process: its engine's `EngineConfig` fields, its kv_transfer role (None: a
+    plain, colocated engine), its JAX device count and the variables set in it before JAX
+    loads (on GPUs: `JAX_PLATFORMS=cuda` and the worker's `CUDA_VISIBLE_DEVICES`)."""
+
+    engine_kwargs: dict[str, Any]
+    kv: dict[str, Any] | None
+    devices: int
+    env: dict[str, str] | None = None
+
+
+def spawn_workers(specs: list[WorkerSpec], start_timeout: float = 600.0) -> list[WorkerHandle]:
+    """Start every worker at once (they import JAX, load and compile side by side), then wait
+    for each to be ready; if one fails or is not ready within `start_timeout` seconds, the
+    others are stopped too and the error is raised."""
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(child, engine_kwargs, kv, devices, env), daemon=True)
-    process.start()
-    child.close()
-    if not parent.poll(start_timeout):
-        process.kill()
-        raise RuntimeError("the worker did not start in time")
-    reply = unpack(parent.recv_bytes())
-    if "error" in reply:
-        process.join(5)
-        raise RuntimeError(f"the worker failed to start: {reply['error']}")
-    return WorkerHandle(process, parent, reply["ready"])
+    started: list[tuple[mp.Process, Any]] = []
+    handles: list[WorkerHandle] = []
+    try:
+        for spec in specs:
+            parent, child = ctx.Pipe()
+            args = (child, spec.engine_kwargs, spec.kv, spec.devices, spec.env)
+            process = ctx.Process(target=_serve, args=args, daemon=True)
+            process.start()
+            child.close()
+            started.append((process, parent))
+        deadline = time.monotonic() + start_timeout
+        for process, parent in started:
+            if not parent.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError("the worker did not start in time")
+            reply = unpack(parent.recv_bytes())
+            if "error" in reply:
+                raise RuntimeError(f"the worker failed to start: {reply['error']}")
+            handles.append(WorkerHandle(process, parent, reply["ready"]))
+    except BaseException:
+        for process, parent in started:
+            WorkerHandle(process, parent, "").stop(timeout=5)
+        raise
+    return handles

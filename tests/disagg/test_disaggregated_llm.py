@@ -4,6 +4,7 @@ and what happens when one side dies or never reads."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import time
 
 import numpy as np
@@ -184,3 +185,13 @@ def test_dead_prefill_engine_recomputes_or_fails_with_a_reason(hf_checkpoint, co
                 assert o.outputs[0].finish_reason == "abort"
                 assert "cannot reach the producer" in o.outputs[0].stop_reason
         assert decode.engine.scheduler.coordinator.pool.num_used == 0
+
+
+def test_a_worker_that_fails_to_start_stops_the_other(hf_checkpoint):
+    """The workers start side by side; a decode engine that cannot be built (TP 3 over 4
+    heads) fails the constructor with its error, and the prefill worker, which started, is
+    stopped: no worker process is left behind."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    with pytest.raises(RuntimeError, match="failed to start"):
+        DisaggregatedLLM(directory, decode_tp=3, **TINY)
+    assert not multiprocessing.active_children()
