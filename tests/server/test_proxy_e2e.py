@@ -128,7 +128,8 @@ def test_an_idle_pd_pair_sleeps(deployment):
     uses under 2% of a core (NIXL progress threads paused, the engine thread polling slowly).
     A thread that polls without pause takes a whole core; over 10 s a 2% share is 20 clock
     ticks of 10 ms, five health checks arrive, and the window was 30 s before."""
-    _, prefill, decode, _ = deployment
+    proxy, prefill, decode, _ = deployment
+    _complete(proxy.url, PROMPTS[0])  # after work: an engine loop that never ran cannot spin
     assert prefill.idle(60) and decode.idle(60)
     pids = [prefill.proc.pid, decode.proc.pid]
     before, start = [_cpu_seconds(p) for p in pids], time.monotonic()
