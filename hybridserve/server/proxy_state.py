@@ -126,9 +126,13 @@ class ProxyState:
         self.body_timeout_s = body_timeout_s
         self.stats = ProxyStats()
         self._background: set[asyncio.Task] = set()
-        # pooled connections expire before the upstreams' 5 s keep-alive closes them, so a
-        # request never goes out on a connection the upstream is closing
-        limits = httpx.Limits(max_connections=None, keepalive_expiry=4.0)
+        # pooled connections expire well before the upstreams' 5 s keep-alive closes them, so a
+        # request never goes out on a connection the upstream is closing: the pool checks the
+        # expiry when it hands a connection out, and on a loaded host the request bytes can
+        # leave a second or more later (seen in the cold CI chaos run with a 4 s expiry: a
+        # decode leg got ReadError after the prefill restart's burst). Reconnecting on loopback
+        # or a LAN costs well under a millisecond.
+        limits = httpx.Limits(max_connections=None, keepalive_expiry=1.0)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=limits,
