@@ -129,9 +129,9 @@ class ProxyState:
         # pooled connections expire well before the upstreams' 5 s keep-alive closes them, so a
         # request never goes out on a connection the upstream is closing: the pool checks the
         # expiry when it hands a connection out, and on a loaded host the request bytes can
-        # leave a second or more later (seen in the cold CI chaos run with a 4 s expiry: a
-        # decode leg got ReadError after the prefill restart's burst). Reconnecting on loopback
-        # or a LAN costs well under a millisecond.
+        # leave a second or more later (seen with a 4 s expiry in a cold chaos run on the 2-core
+        # machine: a decode leg got ReadError after the prefill restart's burst). Reconnecting
+        # on loopback or a LAN costs well under a millisecond.
         limits = httpx.Limits(max_connections=None, keepalive_expiry=1.0)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
