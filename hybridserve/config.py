@@ -271,6 +271,9 @@ class SpeculativeConfig:
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# connector name -> "module:Class" of a `core.connector.KVConnector` (resolved at engine start;
+# `core.connector.register_connector` adds one, e.g. a test double)
+KV_CONNECTORS: dict[str, str] = {"NixlConnector": "hybridserve.disagg.connector:NixlConnector"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +337,9 @@ class KVTransferConfig:
         )
         _require(self.kv_role in KV_ROLES, f"kv_role must be one of {KV_ROLES}: {self.kv_role!r}")
         _require(
-            self.kv_connector == "NixlConnector",
-            f"kv_connector {self.kv_connector!r} is not supported (use NixlConnector)",
+            self.kv_connector in KV_CONNECTORS,
+            f"kv_connector {self.kv_connector!r} is not supported "
+            f"(registered: {', '.join(sorted(KV_CONNECTORS))})",
         )
         _require(
             self.failure_policy in ("recompute", "fail"),

@@ -12,10 +12,10 @@ Lifecycle of a request:
   4. `abort_request` removes a request in any state and frees its pages at once (a request
      whose KV is still arriving is aborted when its transfer ends).
 
-Disaggregated prefill/decode (`kv_transfer`): a prefill engine given `kv_transfer_params=
-{"do_remote_decode": True}` computes the prompt except its last token, holds the pages and
-returns transfer parameters in its output; a decode engine given those parameters pulls the
-pages over NIXL (`hybridserve.disagg.connector`) and continues from there.
+Disaggregated prefill/decode (`kv_transfer`): the engine owns a KV connector
+(`core.connector`, built by name from the config over the cache regions) and hands its P/D
+requests to `core.kv_transfer.KVTransfers`, which drives the scheduler and the connector; the
+engine only calls it (admit, abort, poll, finished, release) and never sees the transport.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import jax
 import numpy as np
 
 from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
+from hybridserve.core.connector import create_connector
+from hybridserve.core.kv_transfer import KVTransfers
 from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.outputs import (
@@ -76,7 +78,6 @@ class _Tracked:
     logprobs: list[dict[int, float]] | None
     text: str = ""
     reported: int = 0  # output tokens already returned
-    remote_prefill: bool = False  # prefill half of a P/D request: hand the pages over
 
 
 class LLMEngine:
@@ -124,13 +125,10 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._counter = 0
         self.connector = None
-        self.remote = None
+        self.kv: KVTransfers | None = None
         if config.kv_transfer is not None:
-            from hybridserve.disagg.connector import NixlConnector
-            from hybridserve.disagg.remote_requests import RemoteRequests
-
-            self.connector = NixlConnector(config.kv_transfer, self.runner)
-            self.remote = RemoteRequests(self.connector, self.scheduler, self._gave_up)
+            self.connector = create_connector(config.kv_transfer, self.runner)
+            self.kv = KVTransfers(self.connector, self.scheduler, self._gave_up)
         self._ready: list[RequestOutput] = []  # outputs produced outside a model step
         self.spec = (
             None
@@ -177,18 +175,15 @@ class LLMEngine:
             raise ValueError("multimodal positions do not fit the prompt (use prepare_multimodal)")
         if mm is not None and kv_transfer_params:
             raise ValueError("multimodal prompts do not run disaggregated yet")
-        remote = kv_transfer_params or {}
-        if not isinstance(remote, dict):
-            raise ValueError("kv_transfer_params must be an object")
-        if remote and self.connector is None:
-            raise ValueError("kv_transfer_params given but the engine has no kv_transfer config")
-        if remote.get("do_remote_decode") and not self.connector.config.is_producer:
-            raise ValueError("do_remote_decode needs a kv_producer (or kv_both) engine")
         transfer = None
-        if "block_tables" in remote:
-            if not self.connector.config.is_consumer:
-                raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
-            transfer = self.connector.consumer.accept_params(remote, ids)  # ValueError, Forbidden
+        if kv_transfer_params and not isinstance(kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        if kv_transfer_params:
+            if self.kv is None:
+                raise ValueError(
+                    "kv_transfer_params given but the engine has no kv_transfer config"
+                )
+            transfer = self.kv.parse(kv_transfer_params, ids)  # ValueError, Forbidden
         if req_id is None:
             req_id = f"req-{self._counter}"
         if req_id in self._tracked:
@@ -197,20 +192,18 @@ class LLMEngine:
         seed = (
             params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._counter
         )
-        producer = bool(remote.get("do_remote_decode"))
-        if producer and len(ids) < 2:  # nothing to transfer: the decode side computes it all
-            self._ready.append(local_prefill_output(req_id, prompt, ids))
-            return req_id
         request = Request(
             req_id,
-            ids[:-1] if producer else ids,  # the decode side computes the last prompt token
-            max_tokens=1 if producer else params.max_tokens,
-            min_tokens=0 if producer else params.min_tokens,
-            eos_token_ids=frozenset() if params.ignore_eos or producer else frozenset(self.eos_ids),
-            stop_token_ids=frozenset() if producer else frozenset(params.stop_token_ids),
-            hold_pages=producer,
+            ids,
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_ids),
+            stop_token_ids=frozenset(params.stop_token_ids),
             mm=mm,
         )
+        if transfer is not None and not self.kv.admit(request, transfer):
+            self._ready.append(local_prefill_output(req_id, prompt, ids))
+            return req_id
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         self._tracked[req_id] = _Tracked(
             request,
@@ -220,10 +213,7 @@ class LLMEngine:
             metrics,
             [] if params.logprobs is not None else None,
         )
-        self._tracked[req_id].remote_prefill = producer
-        if transfer is not None:
-            self.remote.add(request, transfer)
-        else:
+        if transfer is None:
             self.scheduler.add_request(request)
         return req_id
 
@@ -233,7 +223,7 @@ class LLMEngine:
             return
         if self.spec is not None:
             self.spec.forget(req_id)
-        if self.remote is None or not self.remote.abort(req_id):
+        if self.kv is None or not self.kv.abort(req_id):
             self.scheduler.abort_request(req_id)
 
     def _gave_up(self, req_id: str, reason: str) -> None:
@@ -247,23 +237,21 @@ class LLMEngine:
         """Prefill side: free now the held pages of the request whose transfer parameters
         (as this engine returned them) are `params` (its decode leg failed). False when they
         are not this engine's, not held (read, released, expired) or wrongly signed."""
-        if self.connector is None or not self.connector.config.is_producer:
-            return False
-        return self.connector.release_held(params) is not None
+        return self.kv is not None and self.kv.release(params)
 
     @property
     def transfers_idle(self) -> bool:
         """No P/D work in flight (held pages, transfers, handshakes, waiting requests)."""
-        return self.remote is None or self.remote.idle
+        return self.kv is None or self.kv.idle
 
     def poll_transfers(self) -> None:
-        """Advance P/D bookkeeping (`disagg.remote_requests`): finished transfers, requests
-        waiting for pages, released and expired held pages."""
-        if self.remote is not None:
-            self.remote.poll()
+        """Advance P/D bookkeeping (`core.kv_transfer`): finished transfers, requests waiting
+        for pages, released and expired held pages."""
+        if self.kv is not None:
+            self.kv.poll()
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished() or self.remote or self._ready)
+        return bool(self.scheduler.has_unfinished() or self.kv or self._ready)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that got a token in it."""
@@ -359,11 +347,8 @@ class LLMEngine:
         new = ids[tracked.reported :]
         tracked.reported = len(ids)
         reason = req.finish_reason if finished else None
-        kv_params = None
-        if tracked.remote_prefill and finished:
-            kv_params = self.connector.producer_params(
-                req.req_id, self.scheduler.held_tables(req.req_id), list(req.prompt_token_ids)
-            )
+        kv_params = self.kv.finished(req) if finished and self.kv is not None else None
+        if kv_params is not None:  # a prefill request: its output is the decode side's params
             ids, new, text = [], [], ""
         completion = CompletionOutput(
             0, text, ids, reason, req.stop_reason if finished else None, tracked.logprobs
@@ -390,6 +375,8 @@ class LLMEngine:
             prefix_cache_hit_rate=prefix.hit_rate,
             num_preemptions=s.num_preemptions,
         )
+        pool = s.coordinator.pool
+        stats.update(num_pages_total=pool.num_pages - 1, num_pages_used=pool.num_used)
         if self.connector is not None:
             stats.update(self.connector.stats(), held_requests=len(s.held))
         if self.spec is not None:
@@ -397,9 +384,10 @@ class LLMEngine:
         return stats
 
     def close(self) -> None:
-        """Release the NIXL connector: its handshake server, prepared transfers, registered
-        memory and agent (idempotent). A prefill or decode engine takes no P/D request after
-        it; a colocated engine has nothing to release."""
+        """Release the KV connector (for NIXL: its handshake server, prepared transfers,
+        registered memory and agent; idempotent). A prefill or decode engine takes no P/D
+        request after it; a colocated engine has nothing to release."""
         if self.connector is not None:
             self.connector.close()
             self.connector = None
+            self.kv = None

@@ -42,6 +42,7 @@ import uuid
 from typing import Any
 
 from hybridserve.config import KVTransferConfig
+from hybridserve.core.connector import KVConnector, KVTransferParams
 from hybridserve.disagg.consumer import Consumer
 from hybridserve.disagg.descriptors import RankLayout, check_compatible
 from hybridserve.disagg.handshake import HandshakeError, HandshakeServer
@@ -53,8 +54,9 @@ from hybridserve.disagg.transport import NixlTransport
 from hybridserve.runner.regions import shard_buffers
 
 
-class NixlConnector:
-    """Producer and/or consumer role of one engine (see the module docstring)."""
+class NixlConnector(KVConnector):
+    """Producer and/or consumer role of one engine (see the module docstring), behind the
+    `core.connector.KVConnector` interface that the engine's `core.kv_transfer` drives."""
 
     def __init__(self, config: KVTransferConfig, runner: Any) -> None:
         self.config = config
@@ -112,6 +114,7 @@ class NixlConnector:
         self.consumer = Consumer(config, self.transport, self.layouts, self.agent_name)
         self.refused_notes = 0  # notifications that are not valid notes
         self.join_failures = 0  # decode engines whose metadata NIXL refused
+        self._closed = False
 
     @property
     def bytes_moved(self) -> int:
@@ -241,7 +244,54 @@ class NixlConnector:
         self._drain()
         return self.consumer.poll()
 
+    # -- the KVConnector interface ------------------------------------------------------------
+
+    def parse_params(self, raw: Any, token_ids: list[int]) -> KVTransferParams:
+        """`Consumer.accept_params` (ValueError; Forbidden for forged or replayed ones)."""
+        params = self.consumer.accept_params(raw, token_ids)
+        return KVTransferParams(num_tokens=params.num_tokens, remote=params)
+
+    def lookup_peer(self, params: KVTransferParams) -> Any | None:
+        return self.consumer.peer_for(params.remote)
+
+    def request_finished(
+        self, req_id: str, block_tables: Any, token_ids: list[int]
+    ) -> dict[str, Any]:
+        return self.producer_params(req_id, tuple(map(tuple, block_tables)), token_ids)
+
+    def released(self) -> list[str]:
+        return self.poll_producer()
+
+    def release(self, raw: Any) -> str | None:
+        return self.release_held(raw)
+
+    def give_up(self, params: KVTransferParams) -> None:
+        self.consumer.release_remote(params.remote)
+
+    def keep_alive(self, waiting: list[KVTransferParams]) -> None:
+        """Send the notes that waited for a handshake, then heartbeats (`Consumer.keep_alive`)."""
+        self.consumer.flush()
+        if waiting or self.consumer.pulls:
+            self.consumer.keep_alive([p.remote for p in waiting])
+
+    def count_failure(self) -> None:
+        self.consumer.count_failure()
+
+    def start_load(self, req_id: str, params: KVTransferParams, slots: Any, peer: Any) -> None:
+        self.consumer.start_transfer(req_id, params.remote, slots, peer)
+
+    def finished_loads(self) -> list[tuple[str, bool, str | None]]:
+        return self.poll_consumer()
+
+    def loading(self, req_id: str) -> bool:
+        return req_id in self.consumer.pulls
+
     def close(self) -> None:
+        """Close the handshake server, the prepared transfers, the registered memory and the
+        agent (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.server is not None:
             self.server.close()
         self.consumer.close()

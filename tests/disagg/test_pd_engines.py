@@ -1,7 +1,9 @@
 """Prefill and decode engines (real NIXL, UCX on host memory) give the colocated greedy tokens.
 
 Both engines live in this process (separate NIXL agents, separate cache pools); the transfer is
-a real NIXL READ from the prefill engine's region buffers into the decode engine's.
+a real NIXL READ from the prefill engine's region buffers into the decode engine's. The same
+tests run over a connector test double (`in_process_connector`: pages copied in this process,
+no NIXL) to show the engine drives any `core.connector.KVConnector`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 import threading
 import time
 
+import in_process_connector
 import numpy as np
 import pytest
 from pd_polling import polling
@@ -18,6 +21,8 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.config import KVTransferConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+DOUBLE = "in-process"  # a `mode` that means: the in-process connector double, not NIXL
+in_process_connector.register()
 
 
 _OPEN: list[LLM] = []  # the engines the running test made
@@ -38,6 +43,8 @@ def _llm(directory, tp=1, role=None, mode="pull", kv=None, **kw):
 
 
 def _make_llm(directory, tp, role, mode, kv, **kw):
+    if mode == DOUBLE:
+        kv, mode = {"kv_connector": in_process_connector.NAME, **(kv or {})}, "pull"
     return LLM(
         directory,
         dtype="float32",
@@ -71,7 +78,7 @@ def shared(hf_checkpoint):
     made: dict[tuple, LLM] = {}
 
     def get(tp: int = 1, role: str | None = None, mode: str = "pull") -> LLM:
-        key = (tp, role, mode if role == "kv_consumer" else None)
+        key = (tp, role, mode if role == "kv_consumer" or mode == DOUBLE else None)
         if key not in made:
             made[key] = _make_llm(directory, tp, role, mode, None)
         return made[key]
@@ -122,6 +129,19 @@ def test_pd_matches_colocated_for_32_requests(shared, colocated_32, prefill_tp, 
         assert engine.scheduler.coordinator.pool.num_used == 0
         assert not engine.scheduler.held
     assert decode.engine.connector.failures == failures
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_in_process_connector_double_gives_the_colocated_tokens(shared, colocated_32, tp):
+    """The engine knows no transport: swapping NIXL for a `KVConnector` that copies the held
+    pages in this process gives the colocated tokens and frees every page on both sides."""
+    prefill, decode = shared(tp, "kv_producer", DOUBLE), shared(tp, "kv_consumer", DOUBLE)
+    assert type(decode.engine.connector).__name__ == "InProcessConnector"
+    assert _pd_generate(prefill, decode, _prompts(32), GREEDY) == colocated_32
+    for engine in (prefill.engine, decode.engine):
+        assert engine.scheduler.coordinator.pool.num_used == 0
+        assert not engine.scheduler.held
+    assert decode.engine.connector.failures == 0 < decode.engine.connector.bytes_moved
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -224,13 +244,13 @@ def test_close_releases_the_agent_and_the_handshake_server(hf_checkpoint):
     llm.close()  # idempotent
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", ["pull", "push", DOUBLE])
 def test_decode_side_prefix_reuse_takes_the_mamba_state_from_the_transfer(shared, mode):
     """A Mamba hybrid: a second P/D request sharing 2 prefix units with a first one shares the
     decode engine's cached attention pages of those units (no Mamba snapshot is needed there:
     the transfer brings the state after the whole prompt), receives fewer bytes, and gives the
     colocated tokens."""
-    prefill = shared(1, "kv_producer")
+    prefill = shared(1, "kv_producer", mode)
     decode = shared(1, "kv_consumer", mode)
     coord = decode.engine.scheduler.coordinator
     unit, size = coord.unit, coord.block_size
