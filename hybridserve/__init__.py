@@ -15,7 +15,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 _PUBLIC = {
-    "LLM": "hybridserve.api",
+    "LLM": "hybridserve.entrypoints.llm",
+    "DisaggregatedLLM": "hybridserve.entrypoints.disaggregated",
+    "KVTransferConfig": "hybridserve.config",
     "SamplingParams": "hybridserve.sampling_params",
     "RequestOutput": "hybridserve.outputs",
     "CompletionOutput": "hybridserve.outputs",

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from hybridserve.api import DEFAULT_MODEL
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.flags import add_http_args, add_proxy_parser, check_http_args
 
 
@@ -62,7 +62,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hybridserve.api import LLM
+    from hybridserve.entrypoints.llm import LLM
     from hybridserve.sampling_params import SamplingParams
 
     start = time.perf_counter()

@@ -250,6 +250,16 @@ class LLMEngine:
         if self.kv is not None:
             self.kv.poll()
 
+    @property
+    def engine_id(self) -> str | None:
+        """This engine's name to its P/D peers (None: colocated)."""
+        return None if self.connector is None else self.connector.engine_id
+
+    @property
+    def num_held(self) -> int:
+        """Finished prefill requests whose pages are held for a decode engine."""
+        return len(self.scheduler.held)
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.has_unfinished() or self.kv or self._ready)
 
@@ -375,7 +385,7 @@ class LLMEngine:
             prefix_cache_hit_rate=prefix.hit_rate,
             num_preemptions=s.num_preemptions,
         )
-        pool = s.coordinator.pool
+        pool = s.coordinator.pool  # page 0 is the null page
         stats.update(num_pages_total=pool.num_pages - 1, num_pages_used=pool.num_used)
         if self.connector is not None:
             stats.update(self.connector.stats(), held_requests=len(s.held))

@@ -47,8 +47,8 @@ import jax
 import numpy as np
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.api import DEFAULT_MODEL
 from hybridserve.config import CacheConfig
+from hybridserve.entrypoints import DEFAULT_MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inkling_random  # noqa: E402

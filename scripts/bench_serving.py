@@ -2,7 +2,7 @@
 """Serving load generator: colocated vs disaggregated (prefill + decode) engines, a concurrency
 sweep, output tokens/s per GPU against tokens/s per user (the Pareto plot).
 
-Deployments (each engine a worker process, `hybridserve/disagg/worker.py`):
+Deployments (each engine a worker process, `hybridserve/entrypoints/worker.py`):
   colocated      --gpus / --colocated-tp instances of TP --colocated-tp; a request goes to the
                  instance with the fewest requests in flight.
   disaggregated  one prefill engine (TP --prefill-tp) and one decode engine (TP --decode-tp) on
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridserve.disagg.worker import WorkerSpec, spawn_workers
+from hybridserve.entrypoints.worker import WorkerSpec, spawn_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402

@@ -131,11 +131,11 @@ def main() -> None:
             f"{mode}: vs colocated {_agree(tokens, colocated)}; addresses fixed: "
             f"{before == after}; failures {stats['transfer_failures']}; "
             f"bytes moved {stats['transfer_bytes'] + prefill.engine.stats()['transfer_bytes']}; "
-            f"pools empty: {prefill.engine.scheduler.coordinator.pool.num_used == 0} / "
-            f"{decode.engine.scheduler.coordinator.pool.num_used == 0}; decode {elapsed:.2f} s"
+            f"pools empty: {prefill.engine.stats()['num_pages_used'] == 0} / "
+            f"{decode.engine.stats()['num_pages_used'] == 0}; decode {elapsed:.2f} s"
         )
         for llm in (prefill, decode):
-            llm.engine.connector.close()
+            llm.close()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import numpy as np
 from flax import nnx
 
 from backends.protocol import load_ops
-from hybridserve.api import DEFAULT_MODEL
 from hybridserve.config import AttentionConfig, ModelConfig
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.layer_configs import MtpConfig
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.models.inkling_configs import inkling_mid, layer_pattern

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hybridserve.api import DEFAULT_MODEL
+from hybridserve.entrypoints import DEFAULT_MODEL
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -349,9 +349,6 @@ class AsyncEngine:
         """Snapshot the engine's statistics (read by the event loop without locking)."""
         engine = self.engine
         stats: dict[str, Any] = dict(engine.stats())
-        pool = engine.scheduler.coordinator.pool
-        stats["num_pages_total"] = pool.num_pages - 1  # page 0 is the null page
-        stats["num_pages_used"] = pool.num_used
         if "transfer_bytes" in stats:
             stats["transfer_gbps"] = self._transfer_rate(float(stats["transfer_bytes"]))
         self._stats = stats

@@ -20,8 +20,8 @@ from safetensors.numpy import load_file, save_file
 
 from backends import nvfp4
 from checkpoints.convert import convert
-from hybridserve.api import DEFAULT_MODEL
 from hybridserve.config import CacheConfig, ConfigError, ModelConfig, MtpConfig
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.inkling_config import inkling_config_json
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.model_runner import ModelRunner

@@ -13,7 +13,7 @@ from engine_shapes import TINY
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import KVTransferConfig
-from hybridserve.disagg.llm import DisaggregatedLLM
+from hybridserve.entrypoints.disaggregated import DisaggregatedLLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

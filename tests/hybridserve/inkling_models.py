@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import load_ops
-from hybridserve.api import DEFAULT_MODEL
 from hybridserve.config import ModelConfig
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.weights.loader import read_config, save_converted
 

@@ -8,7 +8,7 @@ import pytest
 from engine_shapes import SERVED, TINY, pool_of
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.api import DEFAULT_MODEL
+from hybridserve.entrypoints import DEFAULT_MODEL
 
 
 def _llm(directory, **kw) -> LLM:

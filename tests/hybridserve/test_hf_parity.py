@@ -127,7 +127,7 @@ def test_default_model_greedy_matches_transformers():
     """The shipped (trained, bfloat16-stored) model, run in float32 by both."""
     from transformers import AutoModelForCausalLM
 
-    from hybridserve.api import DEFAULT_MODEL
+    from hybridserve.entrypoints import DEFAULT_MODEL
     from hybridserve.tokenizer import Tokenizer
 
     prompt = Tokenizer(DEFAULT_MODEL).encode("def read(self, path):\n")

@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 from server_harness import wait_until  # noqa: F401 (the tests import it from here)
 
-from hybridserve.api import DEFAULT_MODEL
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.app import ServerSettings, build_app
 from hybridserve.server.async_engine import AsyncEngine
 from hybridserve.server.chat import ChatTemplate

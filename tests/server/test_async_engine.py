@@ -8,8 +8,8 @@ import pytest
 from server_harness import OFFLINE, wait_until
 
 from hybridserve import SamplingParams
-from hybridserve.api import DEFAULT_MODEL
 from hybridserve.engine import EngineConfig, LLMEngine
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.async_engine import (
     AsyncEngine,
     NotAccepting,

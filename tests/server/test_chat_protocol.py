@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from hybridserve.api import DEFAULT_MODEL
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.chat import ChatTemplate, ChatTemplateError
 from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest
 

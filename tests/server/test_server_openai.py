@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from hybridserve import SamplingParams
-from hybridserve.api import DEFAULT_MODEL
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.chat import ChatTemplate
 
 PROMPTS = ["def ", "class Stack:\n    def push(self, item):\n", "import os\n\n"]

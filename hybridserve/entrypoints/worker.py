@@ -73,12 +73,11 @@ def _serve(
     except Exception as err:  # report any start-up failure to the parent
         conn.send_bytes(pack({"error": f"{type(err).__name__}: {err}"}))
         return
-    connector = engine.connector
-    conn.send_bytes(pack({"ready": connector.engine_id if connector else "colocated"}))
+    conn.send_bytes(pack({"ready": engine.engine_id or "colocated"}))
     times: dict[str, list[float]] = {}  # token times of requests added with "timing"
     try:
         while True:
-            busy = engine.has_unfinished() or bool(engine.scheduler.held)
+            busy = engine.has_unfinished() or engine.num_held > 0
             if conn.poll(0 if busy else 0.01):
                 message = unpack(conn.recv_bytes())
                 op = message.get("op")
@@ -102,8 +101,8 @@ def _serve(
                     engine.abort_request(message["req_id"])
                 elif op == "stats":
                     stats = engine.stats()
-                    stats["held"] = len(engine.scheduler.held)
-                    stats["pages_used"] = engine.scheduler.coordinator.pool.num_used
+                    stats["held"] = engine.num_held
+                    stats["pages_used"] = stats["num_pages_used"]
                     conn.send_bytes(pack({"stats": stats}))
                 continue
             if engine.has_unfinished():
@@ -123,8 +122,7 @@ def _serve(
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent went away
     finally:
-        if connector is not None:
-            connector.close()
+        engine.close()
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """DisaggregatedLLM: the `LLM.generate` API over a prefill worker and a decode worker, each in
 its own process, moving KV pages and Mamba states between them over NIXL.
 
-    from hybridserve.disagg.llm import DisaggregatedLLM
+    from hybridserve.entrypoints.disaggregated import DisaggregatedLLM
     with DisaggregatedLLM(model_dir, prefill_tp=1, decode_tp=1) as llm:
         outs = llm.generate(["def "], SamplingParams(temperature=0.0, max_tokens=32))
 
@@ -20,8 +20,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hybridserve.api import DEFAULT_MODEL
-from hybridserve.disagg.worker import WorkerHandle, WorkerSpec, spawn_workers
+from hybridserve.entrypoints import DEFAULT_MODEL
+from hybridserve.entrypoints.worker import WorkerHandle, WorkerSpec, spawn_workers
 from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer

@@ -22,12 +22,11 @@ from tqdm.auto import tqdm
 
 from hybridserve.config import CacheConfig, KVTransferConfig, SpeculativeConfig
 from hybridserve.engine import EngineConfig, LLMEngine
+from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
 
 Prompt = str | dict
-
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
 
 
 class LLM:
