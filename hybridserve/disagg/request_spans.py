@@ -21,14 +21,20 @@ Standard library only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hybridserve.disagg.coarse_view import coarse_pair_ids
 from hybridserve.disagg.descriptors import FA_KINDS, RankLayout
 from hybridserve.disagg.dual_ids import dual_ids
 
-if TYPE_CHECKING:
-    from hybridserve.disagg.tp_mapping import SourceRead
+
+class Read(Protocol):
+    """What `span_ids` needs of a read (`tp_mapping.SourceRead` is one)."""
+
+    local: RankLayout
+    remote: RankLayout
+    coarse: bool
+    active: frozenset[str]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,7 +81,7 @@ def _state_page(table: Sequence[int], layout: RankLayout, where: str) -> list[in
 
 
 def span_ids(
-    read: SourceRead,
+    read: Read,
     local_tables: Sequence[Sequence[int]],
     remote_tables: Sequence[Sequence[int]],
     fill_from: Sequence[int],
