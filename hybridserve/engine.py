@@ -1,14 +1,17 @@
-"""LLMEngine: tokenizer + scheduler (host) + model runner (device) + sampler.
+"""LLMEngine: tokenizer + scheduler (host) + model runner (device, sampling included) + output
+processor.
 
 Lifecycle of a request:
   1. `add_request` validates and tokenizes the prompt and hands a `core.Request` to the
      scheduler (WAITING). A bad request raises here and never reaches the scheduler.
   2. Each `step`: the scheduler picks chunks under the token budget (prefill chunks and decode
      tokens mixed, prefix-cache hits restored by page copies); the runner computes them over the
-     paged hybrid cache; rows that reached their last known token are sampled.
+     paged hybrid cache and samples the rows that reached their last known token, each with the
+     sampling state it keeps per request; it returns tokens.
   3. The scheduler records the tokens, checks token-level stops and frees finished requests'
-     pages; the engine checks stop strings (finishing those requests through the scheduler) and
-     returns a `RequestOutput` for every request that got a token.
+     pages; the output processor decodes the new text, checks stop strings (finishing those
+     requests through the scheduler) and builds a `RequestOutput` for every request that got a
+     token. With speculation the runner then proposes drafts, which the scheduler keeps.
   4. `abort_request` removes a request in any state and frees its pages at once (a request
      whose KV is still arriving is aborted when its transfer ends).
 
@@ -21,27 +24,17 @@ engine only calls it (admit, abort, poll, finished, release) and never sees the 
 from __future__ import annotations
 
 import dataclasses
-import time
-
-import jax
-import numpy as np
 
 from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from hybridserve.core.connector import create_connector
 from hybridserve.core.kv_transfer import KVTransfers
 from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import PoolTooSmall, Scheduler
-from hybridserve.outputs import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    local_prefill_output,
-)
+from hybridserve.output_processor import OutputProcessor
+from hybridserve.outputs import RequestOutput, local_prefill_output
 from hybridserve.prompt_check import prompt_token_ids
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
-from hybridserve.runner.sampler import sample_requests
-from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
 
@@ -64,20 +57,6 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """Engine-side facts of one request (the scheduler owns the core Request)."""
-
-    request: Request
-    params: SamplingParams
-    prompt: str | None
-    key: jax.Array
-    metrics: RequestMetrics
-    logprobs: list[dict[int, float]] | None
-    text: str = ""
-    reported: int = 0  # output tokens already returned
 
 
 class LLMEngine:
@@ -122,19 +101,20 @@ class LLMEngine:
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._tracked: dict[str, _Tracked] = {}
         self._counter = 0
         self.connector = None
         self.kv: KVTransfers | None = None
         if config.kv_transfer is not None:
             self.connector = create_connector(config.kv_transfer, self.runner)
             self.kv = KVTransfers(self.connector, self.scheduler, self._gave_up)
-        self._ready: list[RequestOutput] = []  # outputs produced outside a model step
-        self.spec = (
-            None
-            if config.speculative is None
-            else SpecDecoder(config.speculative, self.runner, self.model_config)
+        self.outputs = OutputProcessor(
+            self.tokenizer,
+            lambda req_id, stop: self.scheduler.finish_request(req_id, "stop", stop_reason=stop),
+            lambda request: None if self.kv is None else self.kv.finished(request),
         )
+        self._ready: list[RequestOutput] = []  # outputs produced outside a model step
+        if config.speculative is not None:
+            self.runner.enable_speculation(config.speculative)
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of a prompt, or ValueError saying what is wrong with it."""
@@ -186,12 +166,15 @@ class LLMEngine:
             transfer = self.kv.parse(kv_transfer_params, ids)  # ValueError, Forbidden
         if req_id is None:
             req_id = f"req-{self._counter}"
-        if req_id in self._tracked:
+        if req_id in self.outputs:
             raise ValueError(f"request id {req_id!r} is already in use")
         self._counter += 1
         seed = (
             params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._counter
         )
+        if transfer is not None and self.kv.nothing_to_transfer(transfer, ids):
+            self._ready.append(local_prefill_output(req_id, prompt, ids))
+            return req_id
         request = Request(
             req_id,
             ids,
@@ -201,37 +184,32 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids),
             mm=mm,
         )
-        if transfer is not None and not self.kv.admit(request, transfer):
-            self._ready.append(local_prefill_output(req_id, prompt, ids))
-            return req_id
-        metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self._tracked[req_id] = _Tracked(
-            request,
-            params,
-            prompt if isinstance(prompt, str) else None,
-            jax.random.key(seed),
-            metrics,
-            [] if params.logprobs is not None else None,
-        )
+        if transfer is not None:
+            self.kv.prepare(request, transfer)  # a prefill request computes less
+        self.outputs.add(request, prompt, params)
+        stops = request.eos_token_ids | request.stop_token_ids
+        self.runner.add_request(req_id, request.prompt_token_ids, params, seed, stops)
         if transfer is None:
             self.scheduler.add_request(request)
+        else:
+            self.kv.admit(request, transfer)
         return req_id
 
     def abort_request(self, req_id: str) -> None:
         """Stop a request now and free its pages (unknown or finished ids are ignored)."""
-        if self._tracked.pop(req_id, None) is None:
+        if not self.outputs.remove(req_id):
             return
-        if self.spec is not None:
-            self.spec.forget(req_id)
+        self.runner.remove_request(req_id)
         if self.kv is None or not self.kv.abort(req_id):
             self.scheduler.abort_request(req_id)
 
     def _gave_up(self, req_id: str, reason: str) -> None:
         """A request failed for good (a decode-side P/D request with `failure_policy` "fail",
         or one the cache pool cannot hold): report it."""
-        tracked = self._tracked.pop(req_id, None)
-        if tracked is not None:
-            self._ready.append(self._output(tracked, True, time.perf_counter()))
+        self.runner.remove_request(req_id)
+        output = self.outputs.fail(req_id)
+        if output is not None:
+            self._ready.append(output)
 
     def release_kv(self, params: dict) -> bool:
         """Prefill side: free now the held pages of the request whose transfer parameters
@@ -275,104 +253,15 @@ class LLMEngine:
             return ready + self._ready
         if out.is_empty:
             return ready
-        if self.spec is not None:
-            return ready + self._spec_step(out)
         result = self.runner.execute(out)
-        sampled: dict[str, int] = {}
-        if result.req_ids:
-            tokens = self._sample(result.req_ids, result.logits)
-            sampled = dict(zip(result.req_ids, tokens.tolist(), strict=True))
-        return ready + self._finish_step(out, sampled)
-
-    def _spec_step(self, out) -> list[RequestOutput]:
-        """One step with speculative decoding (`runner.spec_decode`, steps 2-5)."""
-        mtp = self.spec.config.method == "mtp"
-        result = self.runner.execute(out, n_logits=self.spec.k + 1, keep_hidden=mtp)
-        tracked = {
-            c.req_id: self._tracked[c.req_id] for c in out.chunks if c.req_id in self._tracked
-        }
-        keys = {
-            r: jax.random.fold_in(t.key, len(t.request.output_token_ids))
-            for r, t in tracked.items()
-        }
-        params = {r: t.params for r, t in tracked.items()}
-        sampled = {}
-        if result.req_ids:
-            sampled = self.spec.accept(result, out, keys, params, self._sample)
-        outputs = self._finish_step(out, sampled)
-        requests = {r: t.request for r, t in tracked.items()}
-        self.spec.propose(result, out, sampled, requests, params, keys, self.max_model_len)
+        finished = {r.req_id for r in self.scheduler.update_from_output(out, result.sampled)}
+        outputs = self.outputs.process(result.sampled, result.logprobs, finished)
+        if self.runner.spec is not None:  # the next drafts, for the requests still running
+            self.scheduler.set_drafts(self.runner.propose(self.scheduler.draft_rooms(out)))
         for o in outputs:
             if o.finished:
-                self.spec.forget(o.request_id)
-        return outputs
-
-    def _finish_step(self, out, sampled: dict) -> list[RequestOutput]:
-        """Record a step's tokens, apply stop strings and build the outputs."""
-        finished = {r.req_id for r in self.scheduler.update_from_output(out, sampled)}
-        outputs = []
-        now = time.perf_counter()
-        for req_id in sampled:
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
-                continue
-            req = tracked.request
-            if tracked.metrics.first_token_time is None:
-                tracked.metrics.first_token_time = now
-                tracked.metrics.num_cached_tokens = req.num_cached_tokens
-            tracked.metrics.num_generated_tokens = len(req.output_token_ids)
-            stop = None if req_id in finished else self._stop_string(tracked)
-            if stop is not None:
-                self.scheduler.finish_request(req_id, "stop", stop_reason=stop)
-                finished.add(req_id)
-            outputs.append(self._output(tracked, req_id in finished, now))
-            if req_id in finished:
-                del self._tracked[req_id]
-        return outputs
-
-    def _sample(self, req_ids: list[str], logits: jax.Array) -> np.ndarray:
-        """One token for each of `req_ids` from its row of `logits` (`sample_requests`)."""
-        return sample_requests([self._tracked[r] for r in req_ids], logits)
-
-    def _stop_string(self, tracked: _Tracked) -> str | None:
-        """The first stop string in the text so far (the text is cut before it), or None."""
-        params = tracked.params
-        if not params.stop or self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(tracked.request.output_token_ids, params.skip_special_tokens)
-        for stop in params.stop:
-            if stop in text:
-                tracked.text = text[: text.index(stop)]
-                return stop
-        return None
-
-    def _output(self, tracked: _Tracked, finished: bool, now: float) -> RequestOutput:
-        req = tracked.request
-        ids = list(req.output_token_ids)
-        text = tracked.text
-        if not (finished and req.stop_reason in tracked.params.stop) and self.tokenizer:
-            text = self.tokenizer.decode(ids, tracked.params.skip_special_tokens)
-        if finished:
-            tracked.metrics.finished_time = now
-        new = ids[tracked.reported :]
-        tracked.reported = len(ids)
-        reason = req.finish_reason if finished else None
-        kv_params = self.kv.finished(req) if finished and self.kv is not None else None
-        if kv_params is not None:  # a prefill request: its output is the decode side's params
-            ids, new, text = [], [], ""
-        completion = CompletionOutput(
-            0, text, ids, reason, req.stop_reason if finished else None, tracked.logprobs
-        )
-        return RequestOutput(
-            req.req_id,
-            tracked.prompt,
-            list(req.prompt_token_ids),
-            [completion],
-            finished,
-            tracked.metrics,
-            new,
-            kv_params,
-        )
+                self.runner.remove_request(o.request_id)
+        return ready + outputs
 
     def stats(self) -> dict[str, float]:
         """Scheduler and cache statistics (queue sizes, cache usage, prefix-cache hit rate)."""
@@ -389,8 +278,8 @@ class LLMEngine:
         stats.update(num_pages_total=pool.num_pages - 1, num_pages_used=pool.num_used)
         if self.connector is not None:
             stats.update(self.connector.stats(), held_requests=len(s.held))
-        if self.spec is not None:
-            stats.update(self.spec.stats())
+        if self.runner.spec is not None:
+            stats.update(self.runner.spec.stats())
         return stats
 
     def close(self) -> None:

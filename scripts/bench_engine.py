@@ -103,7 +103,7 @@ def run_level(model: str, c: int, mode: str, args, reference=None, timed=True):
     rng, vocab = np.random.default_rng(0), llm.engine.model_config.vocab_size
     prompts = [rng.integers(2, vocab, args.input_len).tolist() for _ in range(c * args.rounds)]
     outs = generate(llm, prompts, args)  # warmup: compiles every bucket used
-    spec, elapsed = llm.engine.spec, None
+    spec, elapsed = llm.engine.runner.spec, None
     if spec is not None:  # count the timed pass alone
         spec.num_drafts = spec.num_accepted = spec.num_steps = 0
     if timed:

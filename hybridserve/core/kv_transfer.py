@@ -4,9 +4,9 @@
 transport is the `core.connector.KVConnector` it drives. Plain Python, no jax.
 
 Prefill side, lifecycle of a request asked with `{"do_remote_decode": True}`:
-  1. `admit` queues it to compute its prompt but the last token (a state-space layer cannot
-     apply that token twice; the decode side computes it), one step, no stop tokens, and the
-     scheduler holds its pages when it finishes.
+  1. `prepare` and `admit` queue it to compute its prompt but the last token (a state-space
+     layer cannot apply that token twice; the decode side computes it), one step, no stop
+     tokens, and the scheduler holds its pages when it finishes.
   2. `finished` hands the held block tables to `connector.request_finished`: the parameters
      the decode side needs go out in the request's output.
   3. Each `poll` frees the held pages of requests the connector released (read, written, given
@@ -93,25 +93,32 @@ class KVTransfers:
             raise ValueError("remote prefill parameters need a kv_consumer (or kv_both) engine")
         return self.connector.parse_params(raw, token_ids)
 
-    def admit(self, request: Request, params: KVTransferParams) -> bool:
-        """Queue a P/D request (module docstring, step 1 of either side). False: a prefill
-        request with nothing to hand over (a one-token prompt: the decode side computes it
-        all), which the caller answers itself."""
+    @staticmethod
+    def nothing_to_transfer(params: KVTransferParams, token_ids: list[int]) -> bool:
+        """A prefill request of one token: the decode side computes it all, so the caller
+        answers it at once (and does not `admit` it)."""
+        return params.do_remote_decode and len(token_ids) < 2
+
+    def prepare(self, request: Request, params: KVTransferParams) -> None:
+        """Reshape a prefill request before anyone sees it (module docstring, prefill step 1):
+        its prompt but the last token, one step, no stop tokens, its pages held at the end."""
         if params.do_remote_decode:
-            if request.num_prompt_tokens < 2:
-                return False
             request.prompt_token_ids = request.prompt_token_ids[:-1]
             request.max_tokens, request.min_tokens = 1, 0
             request.eos_token_ids = request.stop_token_ids = frozenset()
             request.hold_pages = True
+
+    def admit(self, request: Request, params: KVTransferParams) -> None:
+        """Queue a P/D request (`prepare`d; module docstring, step 1 of either side); the
+        caller tracks it first (a decode-side request may be given up at once)."""
+        if params.do_remote_decode:
             self.producing.add(request.req_id)
             self.scheduler.add_request(request)
-            return True
+            return
         deadline = time.monotonic() + self.config.wait_timeout_s
         self.waiting.append(_Waiting(request, params, deadline))
         self.params[request.req_id] = params
         self._start()
-        return True
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         """A request ended: the decode side's parameters when it was a prefill request whose

@@ -229,6 +229,28 @@ class Scheduler:
             self._retire(request, keep_state=True)
         return finished
 
+    def draft_rooms(self, out: SchedulerOutput) -> dict[str, int]:
+        """Speculative decoding, after `update_from_output`: for each request of `out` that
+        sampled and still runs, how many drafts its max_tokens and max_model_len leave room for
+        after its next token."""
+        rooms = {}
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.req_id)
+            if chunk.sample and request is not None and request.status is RequestStatus.RUNNING:
+                n_out = len(request.output_token_ids)
+                rooms[chunk.req_id] = min(
+                    request.max_tokens - n_out - 1, self.config.max_model_len - request.num_tokens
+                )
+        return rooms
+
+    def set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Keep the runner's drafts for running requests: the next step verifies them (a
+        request whose budget is short then drops them)."""
+        for req_id, tokens in drafts.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.draft_token_ids = [int(t) for t in tokens]
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:

@@ -4,16 +4,17 @@ Lifecycle:
   1. `ModelRunner(...)` allocates every region once: uint8 `[tp, num_pages * page_rows,
      row_bytes]`, sharded so that each rank owns its pages. Every layer's cache is a typed
      view of its region.
-  2. `execute(scheduler_output)` applies the page copies (prefix-cache restores, Mamba
+  2. `add_request` gives a request its sampling state (settings, PRNG key, tokens so far).
+  3. `execute(scheduler_output)` applies the page copies (prefix-cache restores, Mamba
      snapshots), then runs the decode rows (one token each) and the prefill rows (padded chunks)
-     as separate bucketed programs, and returns the logits of the rows that sample.
-  3. Every program takes the regions donated and returns them updated, so their device buffers
+     as separate bucketed programs (`compute_logits`), samples the rows that end at their last
+     known token, and returns their tokens (with speculation, verified drafts; `propose` then
+     gives the next drafts, which the scheduler keeps).
+  4. Every program takes the regions donated and returns them updated, so their device buffers
      (and addresses, which NIXL registers) stay the same for the life of the runner.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridserve.config import ModelConfig
+from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 from hybridserve.core.request import MultimodalInput
 from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec, canonical_dtype
@@ -41,6 +42,15 @@ from hybridserve.runner.input_batch import (
     token_buckets,
 )
 from hybridserve.runner.regions import allocate_regions
+from hybridserve.runner.request_state import (
+    RequestStates,
+    RunnerOutput,
+    StepLogits,
+    StepPass,
+)
+from hybridserve.runner.sampler import sample_requests
+from hybridserve.runner.spec_decode import SpecDecoder
+from hybridserve.sampling_params import SamplingParams
 
 
 def pack_ints(arrays: list[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
@@ -129,26 +139,6 @@ def _gather_rows(
     return _take_rows(sources, jnp.asarray(rows))
 
 
-@dataclasses.dataclass
-class StepPass:
-    """One forward program of a step: its chunks, its batch and its final hidden states."""
-
-    chunks: list[ScheduledChunk]
-    batch: BatchArrays
-    hidden: jax.Array
-
-
-@dataclasses.dataclass
-class StepLogits:
-    """Logits [n', V] (or [n', n_logits, V]; float32, on device) of the chunks that sample, in
-    `req_ids` order (n' >= len(req_ids): padded to a power of two); `passes` (speculative
-    decoding) the programs the MTP heads continue."""
-
-    req_ids: list[str]
-    logits: jax.Array | None
-    passes: list[StepPass] = dataclasses.field(default_factory=list)
-
-
 class ModelRunner:
     """Runs scheduled steps of `model` over the paged hybrid cache (see the module docstring)."""
 
@@ -194,6 +184,8 @@ class ModelRunner:
             out_shardings=(replicated, regions_out),
         )
         self._embed_fns: dict[str, object] = {}
+        self.requests = RequestStates()
+        self.spec: SpecDecoder | None = None
         self._copy = jax.jit(
             apply_page_copies, donate_argnums=(0,), static_argnums=(2,), out_shardings=regions_out
         )
@@ -307,7 +299,56 @@ class ModelRunner:
         )
         return states, logits
 
-    def execute(
+    # -- requests and their tokens ----------------------------------------------------------
+
+    def add_request(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """Start sampling a request (`request_state`); `stop_ids` may not be sampled before
+        `params.min_tokens` outputs."""
+        self.requests.add(req_id, token_ids, params, seed, stop_ids)
+
+    def remove_request(self, req_id: str) -> None:
+        """Forget a finished or aborted request."""
+        self.requests.remove(req_id)
+        if self.spec is not None:
+            self.spec.forget(req_id)
+
+    def enable_speculation(self, config: SpeculativeConfig) -> None:
+        """Verify and propose drafts from now on (`spec_decode`; ValueError when the model
+        cannot)."""
+        self.spec = SpecDecoder(config, self, self.cfg)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step and sample: the new tokens of every chunk that samples (with
+        speculation: its accepted drafts and one more), drawn with each request's own state."""
+        if self.spec is None:
+            result = self.compute_logits(out)
+            if not result.req_ids:
+                return RunnerOutput({})
+            states = [self.requests[r] for r in result.req_ids]
+            tokens, entries = sample_requests(states, result.logits)
+            sampled = {r: [int(t)] for r, t in zip(result.req_ids, tokens.tolist(), strict=True)}
+            logprobs = {s.req_id: [e] for s, e in zip(states, entries, strict=True) if e}
+        else:
+            result = self.compute_logits(out, self.spec.k + 1, self.spec.config.method == "mtp")
+            sampled, logprobs = self.spec.accept(result, out, self.requests)
+        self.requests.record(sampled)
+        return RunnerOutput(sampled, logprobs)
+
+    def propose(self, rooms: dict[str, int]) -> dict[str, list[int]]:
+        """Speculation: drafts for the requests of the last step that still run, at most
+        `rooms[req_id]` each (what their max_tokens and max_model_len leave)."""
+        return {} if self.spec is None else self.spec.propose(self.requests, rooms)
+
+    # -- the forward step -------------------------------------------------------------------
+
+    def compute_logits(
         self, out: SchedulerOutput, n_logits: int = 1, keep_hidden: bool = False
     ) -> StepLogits:
         """Run one scheduled step; return the logits of the chunks that sample: [n, V], or with

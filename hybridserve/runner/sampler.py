@@ -4,11 +4,12 @@ log-probabilities."""
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from hybridserve.runner.request_state import RequestState
 
 SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)  # temperature, k, p, min_p
 
@@ -99,22 +100,21 @@ def logprobs(
 _fold_keys = jax.jit(jax.vmap(jax.random.fold_in))
 
 
-def sample_requests(tracked: list[Any], logits: jax.Array) -> np.ndarray:
-    """One token for each request in `tracked` from its row of `logits` (rows beyond them are
-    padding: they get the first request's parameters). Each entry has `params`
-    (SamplingParams), `key` (its PRNG key), `request` (output_token_ids, eos_token_ids,
-    stop_token_ids) and `logprobs` (a list to append to, or None). Row i draws with
-    fold_in(key, tokens it has so far); a request short of `min_tokens` cannot pick EOS or a
-    stop token."""
-    pad = logits.shape[0] - len(tracked)
-    params = [t.params for t in tracked] + [tracked[0].params] * pad
-    n_out = [len(t.request.output_token_ids) for t in tracked]
-    blocked = [i for i, t in enumerate(tracked) if n_out[i] < t.params.min_tokens]
-    if blocked:  # no EOS or stop token before min_tokens
-        for i in blocked:
-            stops = sorted(tracked[i].request.eos_token_ids | tracked[i].request.stop_token_ids)
-            if stops:
-                logits = logits.at[i, jnp.asarray(stops)].set(-jnp.inf)
+def sample_requests(
+    states: list[RequestState], logits: jax.Array
+) -> tuple[np.ndarray, list[dict[int, float] | None]]:
+    """One token for each request in `states` from its row of `logits` (rows beyond them are
+    padding: they get the first request's parameters), and each one's logprob entry
+    ({token id: logprob}: the chosen token and the top `params.logprobs`; None when not asked).
+    Row i draws with fold_in(key, outputs so far); a request short of `min_tokens` cannot pick
+    EOS or a stop token (`RequestState.blocked_ids`)."""
+    pad = logits.shape[0] - len(states)
+    params = [t.params for t in states] + [states[0].params] * pad
+    n_out = [t.num_outputs for t in states]
+    for i, state in enumerate(states):  # no EOS or stop token before min_tokens
+        blocked = sorted(state.blocked_ids)
+        if blocked:
+            logits = logits.at[i, jnp.asarray(blocked)].set(-jnp.inf)
     columns = (
         [p.temperature for p in params],
         [p.top_k for p in params],
@@ -124,18 +124,19 @@ def sample_requests(tracked: list[Any], logits: jax.Array) -> np.ndarray:
     mode, keys, settings = sample_mode(*columns), None, [None] * 4
     if mode != "greedy":  # (greedy: the argmax alone, nothing else goes to the device)
         keys = _fold_keys(
-            jnp.stack([t.key for t in tracked] + [tracked[0].key] * pad),
+            jnp.stack([t.key for t in states] + [states[0].key] * pad),
             jnp.asarray(n_out + n_out[:1] * pad, jnp.int32),
         )
         settings = [jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)]
     tokens = sample(logits, *settings, keys, mode=mode)
+    entries: list[dict[int, float] | None] = [None] * len(states)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if wanted:
         num = max(max(wanted), 1)
         chosen, top_ids, top_lp = (np.asarray(a) for a in logprobs(logits, tokens, num))
-        for i, t in enumerate(tracked):
-            if t.logprobs is not None:
+        for i, t in enumerate(states):
+            if t.params.logprobs is not None:
                 entry = {int(top_ids[i, j]): float(top_lp[i, j]) for j in range(t.params.logprobs)}
                 entry[int(tokens[i])] = float(chosen[i])
-                t.logprobs.append(entry)
-    return np.asarray(tokens)[: len(tracked)]
+                entries[i] = entry
+    return np.asarray(tokens)[: len(states)], entries

@@ -3,8 +3,9 @@
 Lifecycle of one engine step (`LLMEngine.step` with a `SpeculativeConfig` of k tokens):
   1. The scheduler gives each decoding request that holds drafts a chunk of its last token
      followed by the drafts (`ScheduledChunk.num_drafts`); prefill chunks are unchanged.
-  2. `runner.execute(out, n_logits=k + 1)` scores them in one pass: for each sampling row, the
-     logits after the last token and after each draft, and every program's hidden states.
+  2. `ModelRunner.execute` scores them in one pass (`compute_logits(out, n_logits=k + 1)`):
+     for each sampling row, the logits after the last token and after each draft, and every
+     program's hidden states.
   3. `accept`: rows without drafts sample as without speculation; rows with drafts go through
      `speculative.verify` (greedy matching, or exact rejection sampling against the
      distributions the drafts were drawn from), giving the accepted drafts plus one token.
@@ -12,11 +13,14 @@ Lifecycle of one engine step (`LLMEngine.step` with a `SpeculativeConfig` of k t
      computed. Rollback needs no copy: the attention KV and the sconv inputs at rejected
      positions are rewritten when those positions are computed again (sconv state is cached
      per token), and no Mamba layer may be present (its state would have moved past them).
-  5. `propose`: the MTP heads run over each program's rows, from the base model's hidden
-     states at the accepted positions (their outputs fill the heads' own KV caches), head i
+  5. `propose` (`ModelRunner.propose(rooms)`, for the requests still running, each with the
+     room its max_tokens and max_model_len leave): the MTP heads run over each program's
+     rows, from the base model's hidden states at the accepted positions (their outputs fill
+     the heads' own KV caches), head i
      reading the token i + 1 places ahead (the accepted tokens, then this round's proposals);
      each row's last position gives head i's draft. Greedy rows take the argmax, others draw
-     from the head's filtered distribution and keep it (q) for step 3 of the next round.
+     from the head's filtered distribution and keep it (q) for step 3 of the next round. The
+     drafts go back to the engine, and the scheduler keeps them for the next step.
      Head caches at positions whose look-ahead token was itself a draft are approximate
      (they are not recomputed when that draft is rejected): that only lowers acceptance,
      never changes the output, which step 3 makes exact.
@@ -25,6 +29,7 @@ Lifecycle of one engine step (`LLMEngine.step` with a `SpeculativeConfig` of k t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +37,8 @@ import numpy as np
 
 from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import SchedulerOutput
-from hybridserve.core.request import Request, RequestStatus
-from hybridserve.runner.model_runner import ModelRunner, StepLogits
-from hybridserve.runner.sampler import filtered_logits
+from hybridserve.runner.request_state import RequestState, RequestStates, StepLogits
+from hybridserve.runner.sampler import filtered_logits, sample_requests
 from hybridserve.runner.speculative import verify, verify_greedy
 from hybridserve.sampling_params import SamplingParams
 
@@ -42,7 +46,8 @@ from hybridserve.sampling_params import SamplingParams
 class SpecDecoder:
     """Drafts and verifies for an engine (see the module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, cfg: ModelConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: Any, cfg: ModelConfig) -> None:
+        """`runner`: the `ModelRunner` whose `mtp(head, ...)` runs the heads."""
         self.config, self.runner, self.k = config, runner, config.num_speculative_tokens
         if config.method == "mtp" and (cfg.mtp is None or cfg.mtp.num_heads < self.k):
             heads = 0 if cfg.mtp is None else cfg.mtp.num_heads
@@ -55,28 +60,35 @@ class SpecDecoder:
         self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (0-padded)
         self._zeros: jax.Array | None = None
         self.num_drafts = self.num_accepted = self.num_steps = 0
+        self._last: tuple | None = None  # (result, out, sampled, keys) of the last step
 
     def accept(
-        self,
-        result: StepLogits,
-        out: SchedulerOutput,
-        keys: dict[str, jax.Array],
-        params: dict[str, SamplingParams],
-        sample_plain,
-    ) -> dict[str, int | list[int]]:
-        """Tokens per sampling request: an int for rows without drafts (drawn by
-        `sample_plain(req_ids, logits)`, exactly as without speculation) or, for rows with
-        drafts, the accepted drafts and one more token (a list). Every array is padded to the
+        self, result: StepLogits, out: SchedulerOutput, states: RequestStates
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
+        """Tokens per sampling request: for rows without drafts one token (drawn exactly as
+        without speculation, `sample_requests`, with its logprob entry when asked), for rows
+        with drafts the accepted drafts and one more token. Every array is padded to the
         logits' power-of-two row count, so that a few shapes serve every batch."""
         chunks = {c.req_id: c for c in out.chunks}
         ids = result.req_ids
-        plain = sample_plain(ids, result.logits[:, 0])
-        sampled: dict[str, int | list[int]] = {
-            r: int(plain[i]) for i, r in enumerate(ids) if not chunks[r].num_drafts
-        }
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        if not ids:
+            self._last = (result, out, sampled, {})
+            return sampled, logprobs
+        rows_states = [states[r] for r in ids]
+        keys = {s.req_id: jax.random.fold_in(s.key, s.num_outputs) for s in rows_states}
+        params = {s.req_id: s.params for s in rows_states}
+        self._last = (result, out, sampled, keys)
+        plain, entries = sample_requests(rows_states, result.logits[:, 0])
+        for i, r in enumerate(ids):
+            if not chunks[r].num_drafts:
+                sampled[r] = [int(plain[i])]
+                if entries[i]:
+                    logprobs[r] = [entries[i]]
         drafted = [i for i, r in enumerate(ids) if chunks[r].num_drafts]
         if not drafted:
-            return sampled
+            return sampled, logprobs
         rows, vocab = result.logits.shape[0], result.logits.shape[-1]
         if self._zeros is None:
             self._zeros = jnp.zeros((self.k, vocab), jnp.float32)
@@ -108,43 +120,43 @@ class SpecDecoder:
             self.num_drafts += int(num[i])
             self.num_accepted += int(emitted[i]) - 1
             self.num_steps += 1
-        return sampled
+        return sampled, logprobs
 
-    def _budget(self, request: Request, params: SamplingParams, max_model_len: int) -> int:
-        """Drafts this request may take now (0: none)."""
-        if request.status is not RequestStatus.RUNNING or params.logprobs is not None:
-            return 0
-        n_out = len(request.output_token_ids)
-        if n_out < params.min_tokens:
-            return 0  # stop tokens are masked one token at a time until then
-        room = min(request.max_tokens - n_out - 1, max_model_len - request.num_tokens)
+    def _budget(self, state: RequestState, room: int) -> int:
+        """Drafts this request may take now (0: none); `room`: what max_tokens and
+        max_model_len leave it after the next token."""
+        params = state.params
+        if params.logprobs is not None or state.num_outputs < params.min_tokens:
+            return 0  # stop tokens are masked one token at a time until min_tokens
         return max(0, min(self.k, room))
 
-    def propose(
-        self,
-        result: StepLogits,
-        out: SchedulerOutput,
-        sampled: dict[str, int | list[int]],
-        requests: dict[str, Request],
-        params: dict[str, SamplingParams],
-        keys: dict[str, jax.Array],
-        max_model_len: int,
-    ) -> None:
-        """Set `draft_token_ids` (and keep their distributions) on the requests of this step
-        (see the module docstring); `requests` holds every request of the step's chunks."""
+    def propose(self, states: RequestStates, rooms: dict[str, int]) -> dict[str, list[int]]:
+        """Drafts (and their kept distributions) for the requests of the last step that still
+        run (`rooms`: req_id -> room; see the module docstring, step 5). Rows of requests
+        that ended still run the heads (their caches cover those positions)."""
+        if self._last is None:
+            return {}
+        result, out, sampled, keys = self._last
+        self._last = None
+        live = {c.req_id: states.get(c.req_id) for c in out.chunks}
+        requests = {r: s for r, s in live.items() if s is not None}
+        params = {r: s.params for r, s in requests.items()}
         want = {}
         for c in out.chunks:
-            req = requests.get(c.req_id)
-            if req is not None and c.sample:
-                want[c.req_id] = self._budget(req, params[c.req_id], max_model_len)
+            state = requests.get(c.req_id)
+            if state is not None and c.sample:
+                room = rooms.get(c.req_id)
+                want[c.req_id] = 0 if room is None else self._budget(state, room)
+        self._drafts: dict[str, list[int]] = {}
         if self.config.method == "oracle":
             for r, n in want.items():
                 if n:
-                    drafts = [int(t) for t in self.config.oracle(requests[r].all_token_ids, n)]
-                    self._set(requests[r], drafts[:n], None, params[r].temperature <= 0)
-            return
+                    drafts = [int(t) for t in self.config.oracle(requests[r].token_ids, n)]
+                    self._set(r, drafts[:n], None, params[r].temperature <= 0)
+            return self._drafts
         for p in result.passes:
             self._mtp_pass(p, sampled, requests, params, keys, want)
+        return self._drafts
 
     def _mtp_pass(self, p, sampled, requests, params, keys, want) -> None:
         batch, rows = p.batch, len(p.chunks)
@@ -152,10 +164,10 @@ class SpecDecoder:
         seqs, drafts = [], [[] for _ in range(rows)]
         for i, c in enumerate(p.chunks):
             got = sampled.get(c.req_id)
-            accepted = len(got) - 1 if isinstance(got, list) else 0
+            accepted = len(got) - 1 if got and c.num_drafts else 0
             req = requests.get(c.req_id)
             lengths[i] = 0 if req is None else len(c.token_ids) - c.num_drafts + accepted
-            seqs.append(np.asarray(req.all_token_ids if req else [], np.int32))
+            seqs.append(np.asarray(req.token_ids if req else [], np.int32))
         starts = batch.positions[:, 0]
         valid = dataclasses.replace(batch, lengths=lengths)
         qs: dict[int, list[jax.Array]] = {i: [] for i in range(rows)}
@@ -188,7 +200,7 @@ class SpecDecoder:
         for i in live:
             r = p.chunks[i].req_id
             greedy_row = params[r].temperature <= 0
-            self._set(requests[r], drafts[i][: want[r]], qs[i][: want[r]], greedy_row)
+            self._set(r, drafts[i][: want[r]], qs[i][: want[r]], greedy_row)
 
     @staticmethod
     def _look_ahead(head, starts, seqs, drafts, batch) -> np.ndarray:
@@ -204,11 +216,12 @@ class SpecDecoder:
         return tokens
 
     def _set(
-        self, request: Request, drafts: list[int], qs: list[jax.Array] | None, greedy: bool
+        self, req_id: str, drafts: list[int], qs: list[jax.Array] | None, greedy: bool
     ) -> None:
-        """Give `request` its drafts and keep their distributions, [k, V] zero-padded (None:
-        deterministic drafts, one-hot; not kept for greedy requests, whose check ignores q)."""
-        request.draft_token_ids = list(drafts)
+        """Propose `drafts` for `req_id` and keep their distributions, [k, V] zero-padded
+        (None: deterministic drafts, one-hot; not kept for greedy requests, whose check
+        ignores q)."""
+        self._drafts[req_id] = list(drafts)
         vocab = self.runner.cfg.vocab_size
         if greedy:
             return
@@ -219,7 +232,7 @@ class SpecDecoder:
             q = jax.nn.one_hot(jnp.asarray(padded), vocab, dtype=jnp.float32) * mask
         else:
             q = jnp.stack(list(qs) + [jnp.zeros(vocab, jnp.float32)] * (self.k - len(qs)))
-        self._q[request.req_id] = q
+        self._q[req_id] = q
 
     def forget(self, req_id: str) -> None:
         """Drop a finished or aborted request's draft distributions."""

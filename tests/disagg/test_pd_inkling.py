@@ -146,7 +146,7 @@ def test_a_request_waiting_past_its_deadline_is_given_up_on_both_sides(engines, 
     assert engine.scheduler.num_running == SEATS
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         engine.add_request(p, GREEDY, req_id=f"pd-{i}", kv_transfer_params=o.kv_transfer_params)
-    assert len(engine.remote.waiting) == 2
+    assert len(engine.kv.waiting) == 2
     engine.abort_request("pd-1")
     time.sleep(0.6)
     finished = {o.request_id: o for o in engine.step() if o.finished}
@@ -171,7 +171,7 @@ def test_a_request_waiting_past_its_deadline_is_given_up_on_both_sides(engines, 
     if policy == "recompute":
         assert result["pd-0"] == greedy(cold, prompts[:1])[0]
     assert engine.scheduler.coordinator.pool.num_used == 0
-    assert not engine.remote.waiting and not engine.scheduler.requests
+    assert not engine.kv.waiting and not engine.scheduler.requests
 
 
 def test_kv_both_engines_and_a_failed_transfer_register_only_valid_units(engines):

@@ -93,7 +93,7 @@ def test_chunked_prefill_equals_one_shot(hf_checkpoint, family, chunk):
     two = runner.scratch_tables(len(ids) + 1, first_page=1 + sum(len(t) for t in one))
 
     def step(*chunks):
-        logits = runner.execute(SchedulerOutput(tuple(chunks))).logits  # rows padded to 2^n
+        logits = runner.compute_logits(SchedulerOutput(tuple(chunks))).logits  # rows padded to 2^n
         return None if logits is None else np.asarray(logits)[: len(chunks)]
 
     one_shot = step(ScheduledChunk("one", tuple(ids), 0, one, True))[0]

@@ -90,11 +90,13 @@ def test_region_addresses_fixed_across_steps(hf_checkpoint):
     before = runner.region_addresses()
     tables = runner.scratch_tables(40)
     ids = list(range(3, 23))
-    runner.execute(
+    runner.compute_logits(
         SchedulerOutput((ScheduledChunk("a", tuple(ids), 0, tables, True),), page_copies=((5, 9),))
     )
     for step in range(10):
-        runner.execute(SchedulerOutput((ScheduledChunk("a", (7,), 20 + step, tables, True),)))
+        runner.compute_logits(
+            SchedulerOutput((ScheduledChunk("a", (7,), 20 + step, tables, True),))
+        )
     jax.block_until_ready(runner.regions)
     assert runner.region_addresses() == before
 
@@ -129,10 +131,10 @@ def test_steps_update_the_regions_in_place(hf_checkpoint, tmp_path, family, tp):
     runner._step = spy
     tables = runner.scratch_tables(40)
     prompt = tuple(range(3, 23))
-    runner.execute(
+    runner.compute_logits(
         SchedulerOutput((ScheduledChunk("a", prompt, 0, tables, True),), page_copies=((5, 9),))
     )
-    runner.execute(SchedulerOutput((ScheduledChunk("a", (7,), 20, tables, True),)))
+    runner.compute_logits(SchedulerOutput((ScheduledChunk("a", (7,), 20, tables, True),)))
     region_bytes = runner.regions[0].size // tp  # one rank's shard
     assert len(compiled) == 2
     for hlo in compiled:

@@ -25,14 +25,17 @@ from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
 
 def stub_engine() -> SimpleNamespace:
     """What `AsyncEngine` and `build_app` read of an `LLMEngine`, and nothing more."""
-    pool = SimpleNamespace(num_pages=9, num_used=0)
     return SimpleNamespace(
         config=SimpleNamespace(model=str(DEFAULT_MODEL), kv_transfer=None),
         tokenizer=None,
         max_model_len=256,
         model_config=SimpleNamespace(vocab_size=4096),
-        stats=lambda: {"num_running": 0, "num_waiting": 0},
-        scheduler=SimpleNamespace(coordinator=SimpleNamespace(pool=pool)),
+        stats=lambda: {
+            "num_running": 0,
+            "num_waiting": 0,
+            "num_pages_total": 8,
+            "num_pages_used": 0,
+        },
         transfers_idle=True,
         close=lambda: None,
     )
