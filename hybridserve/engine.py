@@ -73,7 +73,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             progress=progress,
-            shareable_regions=config.kv_transfer is not None,  # GPU: UCX cuda_ipc needs it
+            shareable_regions=config.kv_transfer is not None,  # a connector exports them
             load_format=config.load_format,
             seed=config.seed,
         )
@@ -163,7 +163,7 @@ class LLMEngine:
                 raise ValueError(
                     "kv_transfer_params given but the engine has no kv_transfer config"
                 )
-            transfer = self.kv.parse(kv_transfer_params, ids)  # ValueError, Forbidden
+            transfer = self.kv.parse(kv_transfer_params, ids)  # ValueError on bad or forged
         if req_id is None:
             req_id = f"req-{self._counter}"
         if req_id in self.outputs:
@@ -283,9 +283,9 @@ class LLMEngine:
         return stats
 
     def close(self) -> None:
-        """Release the KV connector (for NIXL: its handshake server, prepared transfers,
-        registered memory and agent; idempotent). A prefill or decode engine takes no P/D
-        request after it; a colocated engine has nothing to release."""
+        """Release the KV connector and what it holds (side channels, registered memory;
+        idempotent). A prefill or decode engine takes no P/D request after it; a colocated
+        engine has nothing to release."""
         if self.connector is not None:
             self.connector.close()
             self.connector = None
