@@ -92,6 +92,7 @@ class LLMEngine:
             cache=config.cache,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            max_prefill_chunk=config.max_prefill_chunk,
             progress=progress,
             shareable_regions=config.kv_transfer is not None,  # GPU: UCX cuda_ipc needs it
             load_format=config.load_format,

@@ -13,6 +13,8 @@ FORBIDDEN = {
     "hybridserve.core": (
         "jax",
         "flax",
+        "hybridserve.cache.view",
+        "hybridserve.cache.regions",
         "hybridserve.layers",
         "hybridserve.models",
         "hybridserve.runner",
@@ -22,6 +24,23 @@ FORBIDDEN = {
         "scripts",
     ),
     "hybridserve.config": ("jax", "flax", "hybridserve.layers", "hybridserve.models"),
+    # the cache package sits under the scheduler and the runner; its pure half (what the
+    # scheduler and the transfer descriptors use) imports no jax
+    "hybridserve.cache": (
+        "hybridserve.core",
+        "hybridserve.layers",
+        "hybridserve.models",
+        "hybridserve.runner",
+        "hybridserve.disagg",
+        "hybridserve.engine",
+        "hybridserve.api",
+        "checkpoints",
+        "scripts",
+    ),
+    **{
+        f"hybridserve.cache.{pure}": ("jax", "flax", "numpy", "hybridserve.cache.view")
+        for pure in ("spec", "plan", "page_layout")
+    },
     "hybridserve.layers": (
         "hybridserve.models",
         "hybridserve.runner",

@@ -41,6 +41,7 @@ import queue
 import uuid
 from typing import Any
 
+from hybridserve.cache.regions import shard_buffers
 from hybridserve.config import KVTransferConfig
 from hybridserve.disagg.consumer import Consumer
 from hybridserve.disagg.descriptors import RankLayout, check_compatible
@@ -50,7 +51,6 @@ from hybridserve.disagg.params import Forbidden
 from hybridserve.disagg.peers import plan_peer
 from hybridserve.disagg.producer import Producer
 from hybridserve.disagg.transport import NixlTransport
-from hybridserve.runner.regions import shard_buffers
 
 
 class NixlConnector:

@@ -1,6 +1,6 @@
 """One rank's cache layout as NIXL sees it (`RankLayout`, the handshake form) and its dual view.
 
-Memory (per rank, see `hybridserve.layers.cache_view`): `T` regions, region i at base `A_i`,
+Memory (per rank, see `hybridserve.cache.view`): `T` regions, region i at base `A_i`,
 `num_pages` pages of `page_bytes`; page p (a logical block id) is at `A_i + p * page_bytes`.
   attention: `ratio` kernel pages of `kpage = page_bytes / ratio`; kernel block `k = p*ratio + j`
              is `[K | V]` at `A_i + k*kpage`, each half head-major `[heads_local, kb, head_dim]`:
@@ -42,7 +42,7 @@ KV at TP 2: ratio 261; T = 6, one attention group, 4 Mamba groups of 1 page) giv
 4*6*1 = 30` ids per side (one 64-page piece per region); unmerged `6*64 + 24 = 408`; the dual
 view `12*64*261 + 4*24 = 200,544`.
 
-Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
+Heads and groups per rank follow `cache.spec.replicated_size`: n over TP t is split when t | n
 (rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).
 Standard library only.
 """
@@ -56,15 +56,15 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hybridserve.config import ModelConfig
-from hybridserve.kv_spec import (
-    CachePlan,
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.spec import (
     FullAttentionSpec,
     MambaSpec,
     canonical_dtype,
     dtype_bytes,
     replicated_size,
 )
+from hybridserve.config import ModelConfig
 
 FA_KINDS = ("full_attention", "sliding_window")
 GROUP_KINDS = (*FA_KINDS, "mamba")
@@ -106,7 +106,7 @@ class Slab:
 @dataclasses.dataclass(frozen=True)
 class RankLayout:
     """One rank's cache memory, as advertised in the handshake (`to_dict` / `from_dict`).
-    Dtypes are names (`kv_spec.DTYPE_BYTES`); fields of an absent kind stay 0 / ""."""
+    Dtypes are names (`cache.spec.DTYPE_BYTES`); fields of an absent kind stay 0 / ""."""
 
     tp_size: int
     tp_rank: int

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops, RelativeBias
+from hybridserve.cache.view import kv_pages, write_kv
 from hybridserve.config import AttentionConfig
-from hybridserve.layers.cache_view import kv_pages, write_kv
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput

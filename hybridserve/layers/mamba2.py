@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops
+from hybridserve.cache.view import read_mamba, write_mamba
 from hybridserve.config import MambaConfig
-from hybridserve.layers.cache_view import read_mamba, write_mamba
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.step_input import StepInput
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from hybridserve.cache.plan import CachePlan
 from hybridserve.core.outputs import ScheduledChunk
-from hybridserve.kv_spec import CachePlan
 
 
 def bucket(n: int, smallest: int = 1) -> int:

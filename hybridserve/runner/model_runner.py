@@ -21,16 +21,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.regions import allocate_regions, build_layout
+from hybridserve.cache.view import apply_page_copies
 from hybridserve.config import ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 from hybridserve.core.request import MultimodalInput
-from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec, canonical_dtype
-from hybridserve.layers.cache_view import (
-    AttentionAccess,
-    CacheLayout,
-    MambaAccess,
-    apply_page_copies,
-)
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.runner.input_batch import (
@@ -40,7 +36,6 @@ from hybridserve.runner.input_batch import (
     table_width,
     token_buckets,
 )
-from hybridserve.runner.regions import allocate_regions
 
 
 def pack_ints(arrays: list[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
@@ -59,55 +54,6 @@ def unpack_ints(flat: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[ja
         out.append(flat[at : at + n].reshape(shape))
         at += n
     return out
-
-
-def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
-    """Per-entry access facts (region, group, local shapes, dtypes) from the cache plan: one
-    entry per layer, then the sconv entries (`kv_spec.sconv_entries`)."""
-    entries = 1 + max(e for g in plan.groups for e in g.layers if e is not None)
-    access: list[AttentionAccess | MambaAccess | None] = [None] * max(entries, cfg.num_layers)
-    for g, group in enumerate(plan.groups):
-        spec = group.spec
-        for region, layer in enumerate(group.layers):
-            if layer is None:
-                continue
-            if isinstance(spec, MambaSpec):
-                m = cfg.mamba
-                access[layer] = MambaAccess(
-                    region,
-                    g,
-                    spec.x_dim,
-                    spec.bc_dim,
-                    m.n_groups,
-                    m.state_size,
-                    spec.conv_rows,
-                    canonical_dtype(spec.conv_dtype),
-                    spec.ssm_shape,
-                    spec.ssm_dtype,
-                    spec.layout,
-                )
-            elif isinstance(spec, FullAttentionSpec):
-                a = cfg.attention
-                access[layer] = AttentionAccess(
-                    region,
-                    g,
-                    a.num_kv_heads,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                    canonical_dtype(spec.dtype),
-                    plan.kernel_block_size,
-                    getattr(spec, "sliding_window", None),
-                )
-            else:
-                raise NotImplementedError(f"no runner support for {type(spec).__name__} yet")
-    attention = [a for a in access if isinstance(a, AttentionAccess)]
-    row = plan.page_size_bytes
-    if attention:
-        a = attention[0]
-        row = a.head_dim * jnp.dtype(a.dtype).itemsize  # one head, one token
-    return CacheLayout(
-        tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
-    )
 
 
 @jax.jit

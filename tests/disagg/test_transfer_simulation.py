@@ -2,7 +2,7 @@
 
 Every byte a rank holds for a request is labelled with what it means (region, group, K/V,
 token, global head, element byte; or Mamba x/B/C channel and row, ssm head/element), following
-the `hybridserve.layers.cache_view` formulas directly (heads/groups duplicated then split over
+the `hybridserve.cache.view` formulas directly (heads/groups duplicated then split over
 TP; HND kernel pages; DS or SD conv). Each prefill rank's memory is filled with its labels; the
 decode rank executes its `ReadPlan` (copying bytes descriptor by descriptor through the id
 pairs); then every byte written must carry the label the decode rank's own layout expects at
@@ -17,9 +17,10 @@ import itertools
 import pytest
 from disagg_models import base_of, make_plan, tiny_config
 
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.spec import DTYPE_BYTES, MambaSpec
 from hybridserve.config import ModelConfig
 from hybridserve.disagg import RankLayout, plan_reads
-from hybridserve.kv_spec import DTYPE_BYTES, CachePlan, MambaSpec
 
 KB = 2  # kernel block (tokens)
 TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]  # (prefill, decode)

@@ -17,6 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, canonical_dtype
+from hybridserve.cache.view import AttentionAccess, CacheLayout, MambaAccess
+from hybridserve.config import ModelConfig
+
 
 def allocate_regions(
     shape: tuple[int, int, int], count: int, sharding: NamedSharding, shareable: bool = False
@@ -73,3 +78,52 @@ def shard_buffers(regions: list[jax.Array]) -> list[list[tuple[int, int, int]]]:
                 )
             )
     return out
+
+
+def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
+    """Per-entry access facts (region, group, local shapes, dtypes) from the cache plan: one
+    entry per layer, then the sconv entries (`cache.spec.sconv_entries`)."""
+    entries = 1 + max(e for g in plan.groups for e in g.layers if e is not None)
+    access: list[AttentionAccess | MambaAccess | None] = [None] * max(entries, cfg.num_layers)
+    for g, group in enumerate(plan.groups):
+        spec = group.spec
+        for region, layer in enumerate(group.layers):
+            if layer is None:
+                continue
+            if isinstance(spec, MambaSpec):
+                m = cfg.mamba
+                access[layer] = MambaAccess(
+                    region,
+                    g,
+                    spec.x_dim,
+                    spec.bc_dim,
+                    m.n_groups,
+                    m.state_size,
+                    spec.conv_rows,
+                    canonical_dtype(spec.conv_dtype),
+                    spec.ssm_shape,
+                    spec.ssm_dtype,
+                    spec.layout,
+                )
+            elif isinstance(spec, FullAttentionSpec):
+                a = cfg.attention
+                access[layer] = AttentionAccess(
+                    region,
+                    g,
+                    a.num_kv_heads,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    canonical_dtype(spec.dtype),
+                    plan.kernel_block_size,
+                    getattr(spec, "sliding_window", None),
+                )
+            else:
+                raise NotImplementedError(f"no runner support for {type(spec).__name__} yet")
+    attention = [a for a in access if isinstance(a, AttentionAccess)]
+    row = plan.page_size_bytes
+    if attention:
+        a = attention[0]
+        row = a.head_dim * jnp.dtype(a.dtype).itemsize  # one head, one token
+    return CacheLayout(
+        tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
+    )

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybridserve.cache.plan import plan_cache
+from hybridserve.cache.regions import build_layout
+from hybridserve.cache.spec import layer_specs
+from hybridserve.cache.view import from_raw, kv_pages, read_mamba, write_mamba
 from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
-from hybridserve.kv_spec import layer_specs, plan_cache
-from hybridserve.layers.cache_view import from_raw, kv_pages, read_mamba, write_mamba
-from hybridserve.runner.model_runner import build_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from check_region_copies import region_copies  # noqa: E402
