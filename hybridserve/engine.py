@@ -130,7 +130,7 @@ class LLMEngine:
             from hybridserve.disagg.connector import NixlConnector
             from hybridserve.disagg.remote_requests import RemoteRequests
 
-            self.connector = NixlConnector(config.kv_transfer, self.runner)
+            self.connector = NixlConnector(config.kv_transfer, self.runner.cache_regions())
             self.remote = RemoteRequests(self.connector, self.scheduler, self._gave_up)
         self._ready: list[RequestOutput] = []  # outputs produced outside a model step
         self.spec = (

@@ -1,5 +1,8 @@
-"""Allocation of the cache regions: by XLA, or (GPU, disaggregated serving) by CUDA's
-`cudaMalloc` through torch, handed to JAX with DLPack.
+"""The cache regions: their allocation, the runner's device layout over them (`build_layout`),
+and the `CacheRegions` handle a KV connector is given (plan, layouts, arrays, addresses).
+
+Allocation is by XLA, or (GPU, disaggregated serving) by CUDA's `cudaMalloc` through torch,
+handed to JAX with DLPack.
 
 Why two allocators: UCX moves GPU memory between processes with its `cuda_ipc` transport only
 when the memory can be exported with `cudaIpcGetMemHandle`. Buffers from every XLA GPU allocator
@@ -11,14 +14,16 @@ step like its own, so the addresses NIXL registered stay valid (`tests` check th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from hybridserve.cache.page_layout import AttentionPage, MambaPage, page_layouts
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, canonical_dtype
+from hybridserve.cache.spec import MambaSpec, canonical_dtype
 from hybridserve.cache.view import AttentionAccess, CacheLayout, MambaAccess
 from hybridserve.config import ModelConfig
 
@@ -63,10 +68,13 @@ def allocate_regions(
     return regions, owners
 
 
-def shard_buffers(regions: list[jax.Array]) -> list[list[tuple[int, int, int]]]:
+RegionBuffer = tuple[int, int, int]  # (device address, bytes, device id; 0 on CPU)
+
+
+def shard_buffers(regions: list[jax.Array]) -> list[list[RegionBuffer]]:
     """Per TP rank, the (address, bytes, device id) of every region's shard of that rank."""
     tp = regions[0].shape[0]
-    out: list[list[tuple[int, int, int]]] = [[] for _ in range(tp)]
+    out: list[list[RegionBuffer]] = [[] for _ in range(tp)]
     for region in regions:
         for shard in region.addressable_shards:
             rank = shard.index[0].start or 0
@@ -81,49 +89,75 @@ def shard_buffers(regions: list[jax.Array]) -> list[list[tuple[int, int, int]]]:
 
 
 def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
-    """Per-entry access facts (region, group, local shapes, dtypes) from the cache plan: one
-    entry per layer, then the sconv entries (`cache.spec.sconv_entries`)."""
+    """Per-entry access facts (region, group, page layout, dtypes) from the cache plan: one
+    entry per layer, then the sconv entries (`cache.spec.sconv_entries`). The row is one
+    attention head's one token (`AttentionPage.row_bytes`), or the whole page without
+    attention."""
     entries = 1 + max(e for g in plan.groups for e in g.layers if e is not None)
     access: list[AttentionAccess | MambaAccess | None] = [None] * max(entries, cfg.num_layers)
-    for g, group in enumerate(plan.groups):
+    row = plan.page_size_bytes
+    for g, (group, page) in enumerate(zip(plan.groups, page_layouts(plan, cfg), strict=True)):
         spec = group.spec
+        if isinstance(page, AttentionPage):
+            row = page.row_bytes
         for region, layer in enumerate(group.layers):
             if layer is None:
                 continue
-            if isinstance(spec, MambaSpec):
-                m = cfg.mamba
+            if isinstance(page, MambaPage) and isinstance(spec, MambaSpec):
+                conv = canonical_dtype(spec.conv_dtype)
                 access[layer] = MambaAccess(
-                    region,
-                    g,
-                    spec.x_dim,
-                    spec.bc_dim,
-                    m.n_groups,
-                    m.state_size,
-                    spec.conv_rows,
-                    canonical_dtype(spec.conv_dtype),
-                    spec.ssm_shape,
-                    spec.ssm_dtype,
-                    spec.layout,
+                    region, g, cfg.mamba.n_groups, page, conv, spec.ssm_dtype
                 )
-            elif isinstance(spec, FullAttentionSpec):
-                a = cfg.attention
+            elif isinstance(page, AttentionPage):
+                window = getattr(spec, "sliding_window", None)
+                dtype = canonical_dtype(spec.dtype)
                 access[layer] = AttentionAccess(
-                    region,
-                    g,
-                    a.num_kv_heads,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                    canonical_dtype(spec.dtype),
-                    plan.kernel_block_size,
-                    getattr(spec, "sliding_window", None),
+                    region, g, cfg.attention.num_kv_heads, page, dtype, window
                 )
-            else:
-                raise NotImplementedError(f"no runner support for {type(spec).__name__} yet")
-    attention = [a for a in access if isinstance(a, AttentionAccess)]
-    row = plan.page_size_bytes
-    if attention:
-        a = attention[0]
-        row = a.head_dim * jnp.dtype(a.dtype).itemsize  # one head, one token
     return CacheLayout(
         tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRegions:
+    """The allocated cache as a KV connector sees it, to register its memory: the plan, the
+    model config (global head/group counts), the device layout, the pool size, the region
+    arrays (as they were when the handle was taken: every step donates them, the addresses
+    stay) and, per TP rank, every region's shard buffer `(address, bytes, device id)` in region
+    order. Region i of rank r starts at `buffers[r][i][0]`; page p at `+ p * page_bytes`."""
+
+    plan: CachePlan
+    cfg: ModelConfig
+    layout: CacheLayout
+    num_pages: int
+    arrays: tuple[jax.Array, ...]
+    buffers: tuple[tuple[RegionBuffer, ...], ...]
+
+    @classmethod
+    def of(
+        cls, plan: CachePlan, cfg: ModelConfig, layout: CacheLayout, num_pages: int, arrays: list
+    ) -> CacheRegions:
+        """The handle of live `arrays` (their shard addresses are read now)."""
+        buffers = tuple(tuple(rank) for rank in shard_buffers(arrays))
+        return cls(plan, cfg, layout, num_pages, tuple(arrays), buffers)
+
+    @property
+    def tp(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def platform(self) -> str:
+        """ "gpu" or "cpu": where the regions live."""
+        return next(iter(self.arrays[0].devices())).platform
+
+    def bases(self, rank: int) -> tuple[int, ...]:
+        """Rank `rank`'s region base addresses, region order."""
+        return tuple(b[0] for b in self.buffers[rank])
+
+    def device_id(self, rank: int) -> int:
+        return self.buffers[rank][0][2]
+
+    def page_layouts(self, rank: int) -> tuple[AttentionPage | MambaPage, ...]:
+        """Per group (plan order), rank `rank`'s page layout (`cache.page_layout`)."""
+        return page_layouts(self.plan, self.cfg, rank)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.regions import allocate_regions, build_layout
+from hybridserve.cache.regions import CacheRegions, allocate_regions, build_layout
 from hybridserve.cache.view import apply_page_copies
 from hybridserve.config import ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
@@ -119,7 +119,7 @@ class ModelRunner:
         tp = plan.tensor_parallel_size
         sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
         shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes)
-        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (regions.py)
+        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (cache/regions)
         self.regions, self._region_owners = allocate_regions(
             shape, plan.num_regions, sharding, shareable_regions
         )
@@ -311,6 +311,10 @@ class ModelRunner:
         """All-position logits [T, V] of one chunk (for checks and verification)."""
         batch = build_batch([chunk], self.plan, self.max_model_len, 16)
         return self.run(batch, n_logits=None)[0][0, : len(chunk.token_ids)]
+
+    def cache_regions(self) -> CacheRegions:
+        """The cache as a KV connector registers it (`cache.regions.CacheRegions`)."""
+        return CacheRegions.of(self.plan, self.cfg, self.layout, self.num_pages, self.regions)
 
     def region_addresses(self) -> list[list[int]]:
         """Device addresses of every region's shards (constant for the runner's life)."""
