@@ -71,7 +71,7 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
         np.testing.assert_array_equal(per_rank[r][: spec.state_bytes], state[r])
         # and the ssm bytes of rank r are the ssm values of its heads
         ssm_r = from_raw(
-            jnp.asarray(state[r : r + 1, None, spec.conv_bytes :]), "float32", spec.ssm_shape
+            jnp.asarray(state[r : r + 1, None, mamba.page.ssm.offset :]), "float32", spec.ssm_shape
         )
         np.testing.assert_array_equal(
             np.asarray(ssm_r)[0, 0], np.asarray(ssm)[0, r * 4 // tp : (r + 1) * 4 // tp]
