@@ -292,7 +292,7 @@ class ModelRunner:
         shapes += [(b, t) for b in rows for t in token_buckets(max(max_prefill_chunk, 16))]
         for b, t in shapes:
             tables = tuple(
-                np.zeros((b,), np.int32) if g.kind == "mamba" else np.zeros((b, width), np.int32)
+                np.zeros((b, width) if g.spec.holds_tokens else (b,), np.int32)
                 for g in self.plan.groups
             )
             batch = BatchArrays(
@@ -327,7 +327,7 @@ class ModelRunner:
         bypassing the scheduler (for checks and verification only)."""
         tables, page = [], first_page
         for group in self.plan.groups:
-            n = 1 if group.kind == "mamba" else -(-num_tokens // self.plan.block_size)
+            n = -(-num_tokens // self.plan.block_size) if group.spec.holds_tokens else 1
             tables.append(tuple(range(page, page + n)))
             page += n
         if page > self.num_pages:
