@@ -11,7 +11,7 @@ Prefill runs the chunked SSD scan from the carried state; one-token decode runs 
 update. The input projection is kept as five separate kernels so that tensor parallelism can
 shard heads and groups; the checkpoint loader splits HF's fused `in_proj`.
 The conv states of x, b and c and the ssm state live in the request's state page of the layer's
-region (see `cache_view`); conv weights are kept per x / b / c so that TP shards them with their
+region (see `cache.view`); conv weights are kept per x / b / c so that TP shards them with their
 heads and groups.
 """
 

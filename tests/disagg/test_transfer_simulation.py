@@ -30,7 +30,7 @@ TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]  # (
 
 
 def rank_units(total: int, tp: int, rank: int) -> list[int]:
-    """cache_view: duplicate each of `total` heads/groups `tp/total` times if fewer than tp,
+    """cache.view: duplicate each of `total` heads/groups `tp/total` times if fewer than tp,
     then split the list over tp ranks."""
     dup = tp // total if total % tp else 1
     full = [u for u in range(total) for _ in range(dup)]
