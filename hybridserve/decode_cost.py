@@ -26,8 +26,9 @@ import math
 import numpy as np
 from flax import nnx
 
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, SconvSpec
 from hybridserve.config import ModelConfig
-from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec, SconvSpec
 
 NOT_IN_DECODE = ("mtp", "vision", "audio")
 

@@ -72,6 +72,7 @@ class LLMEngine:
             cache=config.cache,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            max_prefill_chunk=config.max_prefill_chunk,
             progress=progress,
             shareable_regions=config.kv_transfer is not None,  # a connector exports them
             load_format=config.load_format,
@@ -105,7 +106,7 @@ class LLMEngine:
         self.connector = None
         self.kv: KVTransfers | None = None
         if config.kv_transfer is not None:
-            self.connector = create_connector(config.kv_transfer, self.runner)
+            self.connector = create_connector(config.kv_transfer, self.runner.cache_regions())
             self.kv = KVTransfers(self.connector, self.scheduler, self._gave_up)
         self.outputs = OutputProcessor(
             self.tokenizer,

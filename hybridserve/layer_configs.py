@@ -190,7 +190,7 @@ class SconvConfig:
     attention output (after `o_proj`) and the feed-forward output. Per channel c:
       `y[t, c] = sum_{j < W} w[c, j] * u[t - (W - 1) + j, c]  (+ b[c] when `bias`)`,
     u before position 0 being zero. The last `W - 1` inputs are the state (cached per token as
-    a virtual sliding-window layer, see `kv_spec.SconvSpec`)."""
+    a virtual sliding-window layer, see `cache.spec.SconvSpec`)."""
 
     width: int = 4
     bias: bool = False

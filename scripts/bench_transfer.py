@@ -32,8 +32,9 @@ MODEL = dict(pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", hid
 
 
 def _nano_plan():
+    from hybridserve.cache.plan import plan_cache
+    from hybridserve.cache.spec import layer_specs
     from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig, MoeConfig
-    from hybridserve.kv_spec import layer_specs, plan_cache
 
     kinds = {"M": "mamba", "E": "moe", "*": "attention"}
     cfg = ModelConfig(

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridserve.cache.plan import make_plan, num_pages_for
 from hybridserve.config import CacheConfig
-from hybridserve.runner.factory import make_plan, num_pages_for
 from hybridserve.weights.loader import read_config
 
 # The tiny HF checkpoints (hf_models): 32 seats of 128 tokens (the P/D tests hold 32 prompts).
@@ -31,4 +31,5 @@ def pool_of(model: str | Path, settings: dict = TINY, tp: int = 1) -> CacheConfi
     cfg = read_config(model)
     plan = make_plan(cfg, CacheConfig(), tp, settings["dtype"])
     seats, length = settings["max_num_seqs"], settings["max_model_len"]
-    return CacheConfig(num_pages=num_pages_for(plan, CacheConfig(), seats, length))
+    chunk = settings.get("max_prefill_chunk", 256)  # the engine's default chunk
+    return CacheConfig(num_pages=num_pages_for(plan, CacheConfig(), seats, length, chunk))

@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 from backends.protocol import load_ops
+from hybridserve.cache.plan import make_plan
 from hybridserve.config import CacheConfig
 from hybridserve.decode_cost import cache_bytes, decode_bytes, expert_coverage, weight_bytes
-from hybridserve.runner.factory import make_plan
 from hybridserve.weights.loader import abstract_model, read_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -1,6 +1,6 @@
 """The one pool of pages that every cache group allocates from, and the prefix-cache map.
 
-Page ids are 0..num_pages-1 and valid in every region (see `kv_spec`). Page 0 is the null page:
+Page ids are 0..num_pages-1 and valid in every region (see `cache.plan`). Page 0 is the null page:
 it is never handed out and stands for "no page" in block tables (a sliding window's freed pages).
 
 A page is in use while its ref count is > 0. At ref count 0 it sits in the free queue, which is

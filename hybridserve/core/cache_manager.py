@@ -29,6 +29,7 @@ running state after a step, or after a completed transfer.
 
 from __future__ import annotations
 
+from hybridserve.cache.plan import CacheGroup, CachePlan, pages_per_request
 from hybridserve.core.block_pool import NULL_PAGE, BlockPool
 from hybridserve.core.prefix_cache import (
     PrefixCacheStats,
@@ -38,7 +39,6 @@ from hybridserve.core.prefix_cache import (
     prefix_unit,
 )
 from hybridserve.core.request import Request
-from hybridserve.kv_spec import CacheGroup, CachePlan
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,11 +65,6 @@ class GroupManager:
     def pages_needed(self, table: list[int], num_tokens: int) -> int:
         """New pages the table needs to cover `num_tokens` tokens."""
         raise NotImplementedError
-
-    def max_pages(self, num_tokens: int, chunk: int) -> int:
-        """The most pages one request of up to `num_tokens` tokens holds at once, computed in
-        steps of at most `chunk` tokens."""
-        return self.pages_needed([], num_tokens)
 
     def first_token(self, num_computed: int) -> int:
         """The first cached token a step starting at `num_computed` reads."""
@@ -106,12 +101,6 @@ class SlidingWindowManager(FullAttentionManager):
     @property
     def window(self) -> int:
         return self.group.spec.sliding_window
-
-    def max_pages(self, num_tokens: int, chunk: int) -> int:
-        # a step over [s, s + chunk) holds the pages of [s - window, s + chunk)
-        return min(
-            cdiv(num_tokens, self.block_size), cdiv(self.window + chunk, self.block_size) + 1
-        )
 
     def first_token(self, num_computed: int) -> int:
         return max(0, num_computed - self.window)
@@ -191,9 +180,10 @@ class CacheCoordinator:
 
     def pages_for(self, num_tokens: int, chunk: int | None = None) -> int:
         """Pages one request of up to `num_tokens` tokens holds at most, computed in steps of
-        at most `chunk` tokens (None: any), over all groups (to size a pool)."""
+        at most `chunk` tokens (None: any), over all groups: `cache.plan.pages_per_request`, the
+        rule that sizes the pool too."""
         chunk = num_tokens if chunk is None else chunk
-        return sum(m.max_pages(num_tokens, chunk) for m in self.managers)
+        return sum(pages_per_request(self.plan, num_tokens, chunk))
 
     def has_pages(self, req_id: str) -> bool:
         return req_id in self._tables

@@ -53,9 +53,9 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from hybridserve.cache.plan import CachePlan
 from hybridserve.config import ConfigError
 from hybridserve.core.block_pool import NULL_PAGE, BlockPool
-from hybridserve.kv_spec import CachePlan
 
 MAX_AUTO_UNIT = 256
 

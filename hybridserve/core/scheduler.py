@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from hybridserve.cache.plan import CachePlan
 from hybridserve.config import SchedulerConfig
 from hybridserve.core.cache_manager import CacheCoordinator
 from hybridserve.core.outputs import RemoteSlots, ScheduledChunk, SchedulerOutput
 from hybridserve.core.prefix_cache import PrefixCacheStats
 from hybridserve.core.request import Request, RequestStatus
-from hybridserve.kv_spec import CachePlan
 
 
 class PoolTooSmall(RuntimeError):

@@ -41,6 +41,7 @@ import queue
 import uuid
 from typing import Any
 
+from hybridserve.cache.regions import CacheRegions
 from hybridserve.config import KVTransferConfig
 from hybridserve.core.connector import KVConnector, KVTransferParams
 from hybridserve.disagg.consumer import Consumer
@@ -51,37 +52,36 @@ from hybridserve.disagg.params import Forbidden
 from hybridserve.disagg.peers import plan_peer
 from hybridserve.disagg.producer import Producer
 from hybridserve.disagg.transport import NixlTransport
-from hybridserve.runner.regions import shard_buffers
 
 
 class NixlConnector(KVConnector):
     """Producer and/or consumer role of one engine (see the module docstring), behind the
     `core.connector.KVConnector` interface that the engine's `core.kv_transfer` drives."""
 
-    def __init__(self, config: KVTransferConfig, runner: Any) -> None:
+    def __init__(self, config: KVTransferConfig, regions: CacheRegions) -> None:
+        """`regions`: the engine's cache (`ModelRunner.cache_regions()`): every rank's region
+        buffers are registered, and advertised with their layouts (`RankLayout`)."""
         self.config = config
         self.engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.epoch = uuid.uuid4().hex[:12]  # this process: a restart is a new peer
         self.agent_name = f"{self.engine_id}:{self.epoch}"
         self.secret = config.secret_key
-        plan, cfg = runner.plan, runner.cfg
-        buffers = shard_buffers(runner.regions)
         self.layouts = [
             RankLayout.from_plan(
-                plan,
-                cfg,
+                regions.plan,
+                regions.cfg,
                 tp_rank=r,
-                region_bases=[b[0] for b in rank],
-                num_pages=runner.num_pages,
-                device_id=rank[0][2],
+                region_bases=regions.bases(r),
+                num_pages=regions.num_pages,
+                device_id=regions.device_id(r),
             )
-            for r, rank in enumerate(buffers)
+            for r in range(regions.tp)
         ]
-        mem = "VRAM" if next(iter(runner.regions[0].devices())).platform == "gpu" else "DRAM"
+        mem = "VRAM" if regions.platform == "gpu" else "DRAM"
         delay = config.nixl_progress_delay_us
         self.transport = NixlTransport(
             self.agent_name,
-            [b for rank in buffers for b in rank],
+            [b for rank in regions.buffers for b in rank],
             mem,
             num_threads=config.nixl_threads,
             progress_delay_us=(0 if mem == "VRAM" else 10_000) if delay is None else delay,

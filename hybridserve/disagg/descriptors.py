@@ -1,16 +1,13 @@
 """One rank's cache layout as NIXL sees it (`RankLayout`, the handshake form) and its dual view.
 
-Memory (per rank, see `hybridserve.layers.cache_view`): `T` regions, region i at base `A_i`,
-`num_pages` pages of `page_bytes`; page p (a logical block id) is at `A_i + p * page_bytes`.
-  attention: `ratio` kernel pages of `kpage = page_bytes / ratio`; kernel block `k = p*ratio + j`
-             is `[K | V]` at `A_i + k*kpage`, each half head-major `[heads_local, kb, head_dim]`:
-             K_i[k] = `(A_i + k*kpage, kpage/2)`, V_i[k] = `(A_i + k*kpage + kpage/2, kpage/2)`.
-  mamba (DS): `[x (x_local, rows) | B (bc_local, rows) | C | ssm (heads, head_dim, state) | pad]`:
-             x_i[b] = `(A_i + b*page, x_bytes)`, B_i[b] = `(+x_bytes, bc_bytes)`,
-             C_i[b] = `(+x_bytes + bc_bytes, bc_bytes)`, ssm_i[b] = `(+conv_bytes, ssm_bytes)`.
-             In SD (`[conv (rows, conv_local) | ssm | pad]`) the same three conv ranges are plain
-             byte chunks of the conv, not its x/B/C channels: valid only when both sides have the
-             same TP (the conv then moves verbatim); heterogeneous TP needs DS.
+Memory (per rank): `T` regions, region i at base `A_i`, `num_pages` pages of `page_bytes`; page p
+(a logical block id) is at `A_i + p * page_bytes`. Inside a page the bytes lie as
+`hybridserve.cache.page_layout` says (its `AttentionPage` / `MambaPage`, built here from the
+handshake fields): attention kernel block `k = p*ratio + j` is `[K | V]` at `A_i + k*kpage`
+(K_i[k] = `A_i + k*kpage + K.offset`, V_i[k] = `+ V.offset`, `kpage/2` each); a state page
+holds the x, B, C, ssm slabs at their offsets (x_i[b] = `A_i + b*page + x.offset`, ...). In SD
+the three conv slabs are plain byte chunks of the conv, not its x/B/C channels: valid only when
+both sides have the same TP (the conv then moves verbatim); heterogeneous TP needs DS.
 Padding is never inside a descriptor.
 
 Dual view (ONE list; `N_phys = num_pages * ratio`, `N_log = num_pages`; a section is present only
@@ -42,9 +39,7 @@ KV at TP 2: ratio 261; T = 6, one attention group, 4 Mamba groups of 1 page) giv
 4*6*1 = 30` ids per side (one 64-page piece per region); unmerged `6*64 + 24 = 408`; the dual
 view `12*64*261 + 4*24 = 200,544`.
 
-Heads and groups per rank follow `kv_spec.replicated_size`: n over TP t is split when t | n
-(rank r: `[r*n/t, (r+1)*n/t)`), else each rank holds ONE, `r // (t/n)` (duplicated).
-Standard library only.
+Heads and groups per rank: `page_layout.held_range`. Standard library only.
 """
 
 from __future__ import annotations
@@ -56,15 +51,17 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hybridserve.config import ModelConfig
-from hybridserve.kv_spec import (
-    CachePlan,
-    FullAttentionSpec,
-    MambaSpec,
-    canonical_dtype,
-    dtype_bytes,
-    replicated_size,
+from hybridserve.cache.page_layout import (
+    AttentionPage,
+    MambaPage,
+    Slab,
+    attention_page,
+    mamba_page,
 )
+from hybridserve.cache.page_layout import held_range as held_range  # re-exported
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, canonical_dtype
+from hybridserve.config import ModelConfig
 
 FA_KINDS = ("full_attention", "sliding_window")
 GROUP_KINDS = (*FA_KINDS, "mamba")
@@ -79,34 +76,10 @@ PER_SIDE_FIELDS = frozenset(
 )
 
 
-def held_range(total: int, tp: int, rank: int, what: str = "heads") -> range:
-    """Global indices of `total` heads/groups that rank `rank` of `tp` holds:
-    `[rank*total/tp, (rank+1)*total/tp)` when tp | total, else `{rank // (tp/total)}`."""
-    n = replicated_size(total, tp, what)
-    start = rank * n if total % tp == 0 else rank // (tp // total)
-    return range(start, start + n)
-
-
-@dataclasses.dataclass(frozen=True)
-class Slab:
-    """One head/group-sharded component of a page on one rank: this rank's units start `base`
-    bytes into the K half (kv) or the state page (x, B, C, ssm), `unit` bytes per global index
-    in `held`."""
-
-    name: str
-    base: int
-    unit: int
-    held: range
-
-    @property
-    def nbytes(self) -> int:
-        return self.unit * len(self.held)
-
-
 @dataclasses.dataclass(frozen=True)
 class RankLayout:
     """One rank's cache memory, as advertised in the handshake (`to_dict` / `from_dict`).
-    Dtypes are names (`kv_spec.DTYPE_BYTES`); fields of an absent kind stay 0 / ""."""
+    Dtypes are names (`cache.spec.DTYPE_BYTES`); fields of an absent kind stay 0 / ""."""
 
     tp_size: int
     tp_rank: int
@@ -150,7 +123,8 @@ class RankLayout:
         need(all(len(g) == self.num_regions for g in self.group_layers), "group width != T")
         if self.has_attention:
             need(self.kv_heads > 0 and self.head_dim > 0, "attention dims")
-            need(2 * self.kv_half_bytes == self.kernel_page_bytes, "kernel page != K + V")
+            kpage = self.attention_page.kernel_page_bytes
+            need(kpage == self.kernel_page_bytes, "kernel page != K + V")
         if self.has_mamba:
             need(self.mamba_heads % self.tp_size == 0, "mamba heads not divisible by tp")
             need(self.conv_layout in ("DS", "SD"), f"conv layout {self.conv_layout!r}")
@@ -198,7 +172,7 @@ class RankLayout:
                 ssm_dtype=canonical_dtype(spec.ssm_dtype),
                 conv_layout=spec.layout,
             )
-        layout = cls(
+        return cls(
             tp_size=plan.tensor_parallel_size,
             tp_rank=tp_rank,
             device_id=device_id,
@@ -211,11 +185,6 @@ class RankLayout:
             group_layers=tuple(g.layers for g in plan.groups),
             **fields,
         )
-        if attn and attn[0].num_kv_heads != len(layout.kv_slab.held):
-            raise ValueError("the attention spec and the layout disagree on the local KV heads")
-        if mamba and mamba[0].state_bytes != layout.state_bytes:
-            raise ValueError("the Mamba spec and the layout disagree on the state size")
-        return layout
 
     def to_dict(self) -> dict[str, Any]:
         """Plain ints/strings/lists (and None in `group_layers`), e.g. for msgpack."""
@@ -279,42 +248,62 @@ class RankLayout:
         return self.num_pages
 
     @property
+    def attention_page(self) -> AttentionPage:
+        """This rank's attention page (`cache.page_layout`)."""
+        return attention_page(
+            self.kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+            self.kernel_block,
+            self.ratio,
+            self.tp_size,
+            self.tp_rank,
+        )
+
+    @property
+    def mamba_page(self) -> MambaPage:
+        """This rank's Mamba state page (`cache.page_layout`)."""
+        return mamba_page(
+            num_heads=self.mamba_heads,
+            head_dim=self.mamba_head_dim,
+            state_size=self.state_size,
+            n_groups=self.n_groups,
+            conv_rows=self.conv_rows,
+            conv_dtype=self.conv_dtype,
+            ssm_dtype=self.ssm_dtype,
+            layout=self.conv_layout,
+            page_bytes=self.page_bytes,
+            tp=self.tp_size,
+            rank=self.tp_rank,
+        )
+
+    @property
     def kernel_page_bytes(self) -> int:
         return self.page_bytes // self.ratio
 
     @property
     def kv_slab(self) -> Slab:
-        """K half: one head's kernel block, `kb * head_dim * kv_bytes`, per held head."""
-        unit = self.kernel_block * self.head_dim * dtype_bytes(self.kv_dtype)
-        return Slab("kv", 0, unit, held_range(self.kv_heads, self.tp_size, self.tp_rank))
+        """This rank's heads within a K (or V) half: the K slab, named "kv" (its offsets are
+        relative to the half; `view_runs` places it in both halves)."""
+        return dataclasses.replace(self.attention_page.k, name="kv")
 
     @property
     def kv_half_bytes(self) -> int:
-        return self.kv_slab.nbytes
+        return self.attention_page.half_bytes
 
     @property
     def mamba_slabs(self) -> tuple[Slab, Slab, Slab, Slab]:
-        """x (`head_dim*rows*conv_bytes` per head), B and C (`state*rows*conv_bytes` per group),
-        ssm (`head_dim*state*ssm_bytes` per head), at `0, x, x + bc, x + 2bc`."""
-        tp, rank = self.tp_size, self.tp_rank
-        heads = held_range(self.mamba_heads, tp, rank, "mamba num_heads")
-        groups = held_range(self.n_groups, tp, rank, "mamba n_groups")
-        conv = self.conv_rows * dtype_bytes(self.conv_dtype)
-        x = Slab("x", 0, self.mamba_head_dim * conv, heads)
-        b = Slab("B", x.nbytes, self.state_size * conv, groups)
-        c = Slab("C", x.nbytes + b.nbytes, b.unit, groups)
-        ssm_unit = self.mamba_head_dim * self.state_size * dtype_bytes(self.ssm_dtype)
-        return x, b, c, Slab("ssm", c.base + c.nbytes, ssm_unit, heads)
+        """x, B, C, ssm of a state page (`MambaPage.slabs`)."""
+        return self.mamba_page.slabs
 
     @property
     def conv_bytes(self) -> int:
-        return self.mamba_slabs[3].base
+        return self.mamba_page.conv_bytes
 
     @property
     def state_bytes(self) -> int:
         """Conv + ssm: the bytes of a state page that are not padding."""
-        ssm = self.mamba_slabs[3]
-        return ssm.base + ssm.nbytes
+        return self.mamba_page.state_bytes
 
 
 def check_compatible(local: RankLayout, remote: RankLayout) -> None:
@@ -363,9 +352,12 @@ def view_runs(layout: RankLayout, pieces: Pieces) -> tuple[DescRun, ...]:
     runs = []
     if layout.has_attention:
         off, n = pieces["kv"]
-        kpage, half = layout.kernel_page_bytes, layout.kv_half_bytes
+        page = layout.attention_page
         for base in layout.region_bases:
-            runs += [DescRun(base + h + off, kpage, layout.n_phys, n) for h in (0, half)]
+            runs += [
+                DescRun(base + half.offset + off, page.kernel_page_bytes, layout.n_phys, n)
+                for half in page.slabs
+            ]
     if layout.has_mamba:
         for base in layout.region_bases:
             for name in MAMBA_PARTS:
@@ -382,7 +374,7 @@ def slabs(layout: RankLayout) -> tuple[Slab, ...]:
 
 def local_runs(layout: RankLayout) -> tuple[DescRun, ...]:
     """The full local dual view as runs (whole K/V halves, whole x/B/C/ssm)."""
-    return view_runs(layout, {s.name: (s.base, s.nbytes) for s in slabs(layout)})
+    return view_runs(layout, {s.name: (s.offset, s.size) for s in slabs(layout)})
 
 
 def local_descriptors(layout: RankLayout) -> list[tuple[int, int, int]]:

@@ -261,8 +261,14 @@ def plan_reads(
             lo, hi = max(ls.held.start, rs.held.start), min(ls.held.stop, rs.held.stop)
             if lo >= hi or ls.unit != rs.unit:
                 raise ValueError(f"remote rank {q} holds none of this rank's {ls.name} units")
-            local_pieces[ls.name] = (ls.base + (lo - ls.held.start) * ls.unit, (hi - lo) * ls.unit)
-            remote_pieces[rs.name] = (rs.base + (lo - rs.held.start) * rs.unit, (hi - lo) * rs.unit)
+            local_pieces[ls.name] = (
+                ls.offset + (lo - ls.held.start) * ls.unit,
+                (hi - lo) * ls.unit,
+            )
+            remote_pieces[rs.name] = (
+                rs.offset + (lo - rs.held.start) * rs.unit,
+                (hi - lo) * rs.unit,
+            )
             span = range(lo, hi)
             if span not in seen[ls.name]:
                 if any(max(lo, s.start) < min(hi, s.stop) for s in seen[ls.name]):

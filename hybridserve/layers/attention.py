@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops, RelativeBias
+from hybridserve.cache.view import kv_pages, write_kv
 from hybridserve.config import AttentionConfig
-from hybridserve.layers.cache_view import kv_pages, write_kv
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput
@@ -22,7 +22,7 @@ KvConv = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array,
 class Attention(nnx.Module):
     """`softmax(q k^T * scale + causal mask) v` over the cached and new keys, K kv heads shared
     by N/K query heads each. The KV cache is the layer's region, read and written through the
-    request's block table (see `cache_view`).
+    request's block table (see `cache.view`).
 
     With a relative term (`rel_dim` R), query head n of token i also gets `r_n(i) = x_i W_r[n]`
     ([R]) and the logit of key j becomes

@@ -11,7 +11,7 @@ Prefill runs the chunked SSD scan from the carried state; one-token decode runs 
 update. The input projection is kept as five separate kernels so that tensor parallelism can
 shard heads and groups; the checkpoint loader splits HF's fused `in_proj`.
 The conv states of x, b and c and the ssm state live in the request's state page of the layer's
-region (see `cache_view`); conv weights are kept per x / b / c so that TP shards them with their
+region (see `cache.view`); conv weights are kept per x / b / c so that TP shards them with their
 heads and groups.
 """
 
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops
+from hybridserve.cache.view import read_mamba, write_mamba
 from hybridserve.config import MambaConfig
-from hybridserve.layers.cache_view import read_mamba, write_mamba
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.step_input import StepInput
 

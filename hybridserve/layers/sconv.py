@@ -3,7 +3,7 @@
 For an input u [B, T, C] (C channels; a causal depthwise conv of W taps):
   `y[t, c] = sum_{j < W} w[c, j] * u[t - (W - 1) + j, c]  (+ b[c])`,  u before position 0 = 0.
 The state is the last W - 1 inputs. It is kept per token, as a virtual sliding-window layer
-(`kv_spec.SconvSpec`): each entry holds E = 2 * kv_heads * head_dim channels of every token in
+(`cache.spec.SconvSpec`): each entry holds E = 2 * kv_heads * head_dim channels of every token in
 pages laid out like attention pages (channels [0, E/2) as "K", [E/2, E) as "V"), so a step
 gathers the W - 1 inputs before its first token through the block table, convolves, and writes
 its own inputs at their positions. Nothing needs rolling back when later tokens are discarded:
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops
+from hybridserve.cache.view import read_kv, write_kv
 from hybridserve.config import SconvConfig
-from hybridserve.layers.cache_view import read_kv, write_kv
 from hybridserve.layers.linear import param
 from hybridserve.layers.step_input import StepInput
 

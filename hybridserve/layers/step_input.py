@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybridserve.layers.cache_view import CacheLayout
+from hybridserve.cache.view import CacheLayout
 
 
 @functools.partial(

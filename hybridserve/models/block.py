@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops
+from hybridserve.cache.spec import sconv_entries
 from hybridserve.config import ModelConfig
-from hybridserve.kv_spec import sconv_entries
 from hybridserve.layers.attention import Attention, KvConv
 from hybridserve.layers.mamba2 import Mamba2
 from hybridserve.layers.mlp import Mlp

@@ -15,7 +15,7 @@ With `sconv` (Inkling), each block is (attention mixers; `sc_*` short convs, `Sc
   h += r * sc_ffn(ffn_i(ffn_norm_i(h)))
 
 The cache is functional: `model(tokens, inputs, regions) -> (hidden, regions)`, where regions
-are the raw buffers of the paged hybrid cache (see `hybridserve.layers.cache_view`); each
+are the raw buffers of the paged hybrid cache (see `hybridserve.cache.view`); each
 cached layer reads and writes its own region through the static layout in `inputs`.
 """
 
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from backends.protocol import Ops
+from hybridserve.cache.spec import mtp_entries
 from hybridserve.config import ModelConfig
-from hybridserve.kv_spec import mtp_entries
 from hybridserve.layers.linear import param
 from hybridserve.layers.multimodal import DmelEncoder, HmlpPatchEncoder
 from hybridserve.layers.norm import RMSNorm

@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from hybridserve.cache.plan import CachePlan
 from hybridserve.core.outputs import ScheduledChunk
-from hybridserve.kv_spec import CachePlan
 
 
 def bucket(n: int, smallest: int = 1) -> int:
@@ -68,7 +68,7 @@ def build_batch(
         starts[i] = c.start
     tables = []
     for g, group in enumerate(plan.groups):
-        if group.kind == "mamba":
+        if not group.spec.holds_tokens:  # one state page per row
             pages = np.zeros(rows, np.int32)
             for i, c in enumerate(chunks):
                 pages[i] = c.block_tables[g][0]

@@ -22,16 +22,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.regions import CacheRegions, allocate_regions, build_layout
+from hybridserve.cache.view import apply_page_copies
 from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 from hybridserve.core.request import MultimodalInput
-from hybridserve.kv_spec import CachePlan, FullAttentionSpec, MambaSpec, canonical_dtype
-from hybridserve.layers.cache_view import (
-    AttentionAccess,
-    CacheLayout,
-    MambaAccess,
-    apply_page_copies,
-)
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.runner.input_batch import (
@@ -41,7 +37,6 @@ from hybridserve.runner.input_batch import (
     table_width,
     token_buckets,
 )
-from hybridserve.runner.regions import allocate_regions
 from hybridserve.runner.request_state import (
     RequestStates,
     RunnerOutput,
@@ -69,55 +64,6 @@ def unpack_ints(flat: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[ja
         out.append(flat[at : at + n].reshape(shape))
         at += n
     return out
-
-
-def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
-    """Per-entry access facts (region, group, local shapes, dtypes) from the cache plan: one
-    entry per layer, then the sconv entries (`kv_spec.sconv_entries`)."""
-    entries = 1 + max(e for g in plan.groups for e in g.layers if e is not None)
-    access: list[AttentionAccess | MambaAccess | None] = [None] * max(entries, cfg.num_layers)
-    for g, group in enumerate(plan.groups):
-        spec = group.spec
-        for region, layer in enumerate(group.layers):
-            if layer is None:
-                continue
-            if isinstance(spec, MambaSpec):
-                m = cfg.mamba
-                access[layer] = MambaAccess(
-                    region,
-                    g,
-                    spec.x_dim,
-                    spec.bc_dim,
-                    m.n_groups,
-                    m.state_size,
-                    spec.conv_rows,
-                    canonical_dtype(spec.conv_dtype),
-                    spec.ssm_shape,
-                    spec.ssm_dtype,
-                    spec.layout,
-                )
-            elif isinstance(spec, FullAttentionSpec):
-                a = cfg.attention
-                access[layer] = AttentionAccess(
-                    region,
-                    g,
-                    a.num_kv_heads,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                    canonical_dtype(spec.dtype),
-                    plan.kernel_block_size,
-                    getattr(spec, "sliding_window", None),
-                )
-            else:
-                raise NotImplementedError(f"no runner support for {type(spec).__name__} yet")
-    attention = [a for a in access if isinstance(a, AttentionAccess)]
-    row = plan.page_size_bytes
-    if attention:
-        a = attention[0]
-        row = a.head_dim * jnp.dtype(a.dtype).itemsize  # one head, one token
-    return CacheLayout(
-        tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
-    )
 
 
 @jax.jit
@@ -163,7 +109,7 @@ class ModelRunner:
         tp = plan.tensor_parallel_size
         sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
         shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes)
-        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (regions.py)
+        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (cache/regions)
         self.regions, self._region_owners = allocate_regions(
             shape, plan.num_regions, sharding, shareable_regions
         )
@@ -387,7 +333,7 @@ class ModelRunner:
         shapes += [(b, t) for b in rows for t in token_buckets(max(max_prefill_chunk, 16))]
         for b, t in shapes:
             tables = tuple(
-                np.zeros((b,), np.int32) if g.kind == "mamba" else np.zeros((b, width), np.int32)
+                np.zeros((b, width) if g.spec.holds_tokens else (b,), np.int32)
                 for g in self.plan.groups
             )
             batch = BatchArrays(
@@ -407,6 +353,10 @@ class ModelRunner:
         batch = build_batch([chunk], self.plan, self.max_model_len, 16)
         return self.run(batch, n_logits=None)[0][0, : len(chunk.token_ids)]
 
+    def cache_regions(self) -> CacheRegions:
+        """The cache as a KV connector registers it (`cache.regions.CacheRegions`)."""
+        return CacheRegions.of(self.plan, self.cfg, self.layout, self.num_pages, self.regions)
+
     def region_addresses(self) -> list[list[int]]:
         """Device addresses of every region's shards (constant for the runner's life)."""
         return [
@@ -418,7 +368,7 @@ class ModelRunner:
         bypassing the scheduler (for checks and verification only)."""
         tables, page = [], first_page
         for group in self.plan.groups:
-            n = 1 if group.kind == "mamba" else -(-num_tokens // self.plan.block_size)
+            n = -(-num_tokens // self.plan.block_size) if group.spec.holds_tokens else 1
             tables.append(tuple(range(page, page + n)))
             page += n
         if page > self.num_pages:

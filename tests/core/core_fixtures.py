@@ -8,16 +8,11 @@ import zlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from hybridserve.cache.plan import CacheGroup, CachePlan
+from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from hybridserve.config import SchedulerConfig
 from hybridserve.core.outputs import RemoteSlots, SchedulerOutput
 from hybridserve.core.request import Request
-from hybridserve.kv_spec import (
-    CacheGroup,
-    CachePlan,
-    FullAttentionSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 
 if TYPE_CHECKING:
     from hybridserve.core.scheduler import Scheduler

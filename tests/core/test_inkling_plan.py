@@ -35,18 +35,18 @@ import functools
 
 import pytest
 
-from hybridserve.config import SchedulerConfig
-from hybridserve.core.cache_manager import CacheCoordinator, cdiv
-from hybridserve.core.request import Request
-from hybridserve.core.scheduler import Scheduler
-from hybridserve.kv_spec import (
+from hybridserve.cache.plan import plan_cache
+from hybridserve.cache.spec import (
     FullAttentionSpec,
     SconvSpec,
     SlidingWindowSpec,
     layer_specs,
-    plan_cache,
     sconv_entries,
 )
+from hybridserve.config import SchedulerConfig
+from hybridserve.core.cache_manager import CacheCoordinator, cdiv
+from hybridserve.core.request import Request
+from hybridserve.core.scheduler import Scheduler
 from hybridserve.models.inkling_configs import (
     active_param_count,
     inkling_full,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from hybridserve.cache.plan import CachePlan, plan_cache
+from hybridserve.cache.spec import layer_specs
 from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig, MoeConfig
 from hybridserve.disagg.descriptors import RankLayout
-from hybridserve.kv_spec import CachePlan, layer_specs, plan_cache
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 KINDS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp", "S": "sliding_attention"}

@@ -17,11 +17,9 @@ import hashlib
 import uuid
 from typing import Any
 
-import jax
-
+from hybridserve.cache.regions import CacheRegions
 from hybridserve.config import KVTransferConfig
 from hybridserve.core.connector import KVConnector, KVTransferParams, register_connector
-from hybridserve.runner.regions import shard_buffers
 
 NAME = "InProcessConnector"
 _ENGINES: dict[str, InProcessConnector] = {}  # engine_id -> its live connector
@@ -39,11 +37,11 @@ def _digest(token_ids: list[int]) -> str:
 class InProcessConnector(KVConnector):
     """Producer and consumer roles of one engine in this process (see the module docstring)."""
 
-    def __init__(self, config: KVTransferConfig, runner: Any) -> None:
+    def __init__(self, config: KVTransferConfig, regions: CacheRegions) -> None:
         self.config = config
         self.engine_id = config.engine_id or f"inproc-{uuid.uuid4().hex[:8]}"
-        self.runner = runner
-        self.plan = runner.plan
+        self.regions = regions
+        self.plan = regions.plan
         self.held: dict[str, tuple[tuple[tuple[int, ...], ...], str]] = {}
         self._released: list[str] = []
         self._finished: list[tuple[str, bool, str | None]] = []
@@ -111,12 +109,13 @@ class InProcessConnector(KVConnector):
         if remote is None:
             raise ValueError("the producer holds no pages for this request")
         pairs = self._page_pairs(slots, remote[0])
-        jax.block_until_ready([self.runner.regions, peer.runner.regions])
-        mine, theirs = shard_buffers(self.runner.regions), shard_buffers(peer.runner.regions)
+        # Both engines' steps are done (an engine reads its tokens before it polls), so no
+        # program is writing these pages; the region addresses never change.
+        mine, theirs = self.regions.buffers, peer.regions.buffers
         if len(mine) != len(theirs) or len(mine[0]) != len(theirs[0]):
             raise ValueError("the in-process double moves pages between equal TP layouts only")
-        page = mine[0][0][1] // self.runner.num_pages
-        if page != theirs[0][0][1] // peer.runner.num_pages:
+        page = mine[0][0][1] // self.regions.num_pages
+        if page != theirs[0][0][1] // peer.regions.num_pages:
             raise ValueError("the in-process double needs equal page sizes")
         for rank_mine, rank_theirs in zip(mine, theirs, strict=True):
             for (dst_base, _, _), (src_base, _, _) in zip(rank_mine, rank_theirs, strict=True):

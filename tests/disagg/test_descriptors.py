@@ -112,7 +112,7 @@ def test_nano_layout_from_plan():
     assert (lay.kv_heads, lay.head_dim, lay.kv_dtype) == (2, 128, "float8_e4m3fn")
     assert lay.kv_slab.held == range(1, 2)
     x, b, c, ssm = lay.mamba_slabs
-    assert [(s.base, s.nbytes) for s in (x, b, c, ssm)] == [
+    assert [(s.offset, s.size) for s in (x, b, c, ssm)] == [
         (0, 12_288),
         (12_288, 3_072),
         (15_360, 3_072),
@@ -278,7 +278,13 @@ def test_bases_are_per_rank_and_side():
 
 def test_modules_are_standard_library_only():
     root = Path(__file__).resolve().parents[2] / "hybridserve" / "disagg"
-    allowed = ("hybridserve.config", "hybridserve.kv_spec", "hybridserve.disagg.")
+    allowed = (
+        "hybridserve.config",
+        "hybridserve.cache.spec",
+        "hybridserve.cache.plan",
+        "hybridserve.cache.page_layout",
+        "hybridserve.disagg.",
+    )
     for name in (
         "__init__.py",
         "descriptors.py",

@@ -15,8 +15,8 @@ import pytest
 from disagg_models import base_of, make_plan, tiny_config
 from test_transfer_simulation import KB, TP_PAIRS, memory
 
+from hybridserve.cache.plan import CachePlan
 from hybridserve.disagg import RankLayout, plan_reads
-from hybridserve.kv_spec import CachePlan
 
 WINDOW = 5
 

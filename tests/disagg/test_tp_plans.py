@@ -147,7 +147,7 @@ def test_replicated_groups_p1_to_d4(r, group):
     local = make_layout(cfg, 4, r)
     (read,) = plan_reads(local, prefill_ranks(cfg, 1)).reads
     remote = read.remote
-    x_p, group_bytes = remote.mamba_slabs[0].nbytes, 2 * 2 * 2  # state 2 x rows 2 x bf16
+    x_p, group_bytes = remote.mamba_slabs[0].size, 2 * 2 * 2  # state 2 x rows 2 x bf16
     assert remote.mamba_slabs[1].unit == group_bytes
     b, c = rel(read.remote_runs[5:7], remote)  # after 2 regions x (K, V), then x
     assert b == (x_p + group * group_bytes, group_bytes)
@@ -159,7 +159,7 @@ def test_replicated_groups_p1_to_d4(r, group):
 def test_single_group_p1_to_d2_reads_group_zero(r):
     cfg = tiny_config(kv_heads=2, n_groups=1)
     (read,) = plan_reads(make_layout(cfg, 2, r), prefill_ranks(cfg, 1)).reads
-    x_p = read.remote.mamba_slabs[0].nbytes
+    x_p = read.remote.mamba_slabs[0].size
     b, c = rel(read.remote_runs[5:7], read.remote)
     assert b == (x_p, 8) and c == (x_p + 8, 8)  # both ranks: the one group, B then C
 

@@ -1,14 +1,16 @@
-"""Byte-level simulation of the planned reads against an independent model of the cache bytes.
+"""Byte-level simulation of the planned reads against a model of the cache bytes.
 
 Every byte a rank holds for a request is labelled with what it means (region, group, K/V,
-token, global head, element byte; or Mamba x/B/C channel and row, ssm head/element), following
-the `hybridserve.layers.cache_view` formulas directly (heads/groups duplicated then split over
-TP; HND kernel pages; DS or SD conv). Each prefill rank's memory is filled with its labels; the
-decode rank executes its `ReadPlan` (copying bytes descriptor by descriptor through the id
-pairs); then every byte written must carry the label the decode rank's own layout expects at
-that address, be written once, come from a labelled (non-padding) byte, and every expected
-state byte and every kernel block holding the request's tokens must be written. Equal-TP pairs
-run twice: in the coarse view (whole pages, `plan_reads` default) and in the fine view."""
+token, global head, element byte; or Mamba x/B/C channel and row, ssm head/element), placed by
+`hybridserve.cache.page_layout` (its rows and slab offsets: the geometry the device views read
+too; `tests/cache/test_page_layout.py` checks it against typed arrays decoded independently of
+it, and this module's `rank_units` checks its held heads/groups against duplicate-then-split).
+Each prefill rank's memory is filled with its labels; the decode rank executes its `ReadPlan`
+(copying bytes descriptor by descriptor through the id pairs); then every byte written must
+carry the label the decode rank's own layout expects at that address, be written once, come
+from a labelled (non-padding) byte, and every expected state byte and every kernel block holding
+the request's tokens must be written. Equal-TP pairs run twice: in the coarse view (whole pages,
+`plan_reads` default) and in the fine view."""
 
 from __future__ import annotations
 
@@ -17,16 +19,18 @@ import itertools
 import pytest
 from disagg_models import base_of, make_plan, tiny_config
 
+from hybridserve.cache.page_layout import AttentionPage, MambaPage, page_layouts
+from hybridserve.cache.plan import CachePlan
+from hybridserve.cache.spec import MambaSpec
 from hybridserve.config import ModelConfig
 from hybridserve.disagg import RankLayout, plan_reads
-from hybridserve.kv_spec import DTYPE_BYTES, CachePlan, MambaSpec
 
 KB = 2  # kernel block (tokens)
 TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]  # (prefill, decode)
 
 
 def rank_units(total: int, tp: int, rank: int) -> list[int]:
-    """cache_view: duplicate each of `total` heads/groups `tp/total` times if fewer than tp,
+    """cache.view: duplicate each of `total` heads/groups `tp/total` times if fewer than tp,
     then split the list over tp ranks."""
     dup = tp // total if total % tp else 1
     full = [u for u in range(total) for _ in range(dup)]
@@ -47,44 +51,49 @@ def memory(
     null page is left unlabelled, so reading it fails the simulation)."""
     mem: dict[int, tuple] = {}
     page, ratio = plan.page_size_bytes, plan.ratio
-    for g, group in enumerate(plan.groups):
-        spec = group.spec
+    for g, layout in enumerate(page_layouts(plan, cfg, rank)):
         for i, base in enumerate(bases):
-            if isinstance(spec, MambaSpec):
-                _mamba(mem, cfg, spec, rank, tp, [base + b * page for b in ids[g]], (i, g))
+            if isinstance(layout, MambaPage):
+                _mamba(mem, cfg, layout, rank, tp, [base + b * page for b in ids[g]], (i, g))
             else:
-                heads = rank_units(cfg.attention.num_kv_heads, tp, rank)
-                row = spec.head_dim * DTYPE_BYTES[spec.dtype]
-                # kernel block n of the request (tokens [n*KB, (n+1)*KB)) is table entry
-                # n // ratio; the null page (a freed window page) holds nothing
-                kids = [p * ratio + j for p in ids[g] for j in range(ratio)]
-                for n, kid in enumerate(kids):
-                    if kid < ratio:
-                        continue
-                    for kv, h, s in itertools.product(range(2), range(len(heads)), range(KB)):
-                        r = ((kid * 2 + kv) * len(heads) + h) * KB + s
-                        for e in range(row):
-                            mem[base + r * row + e] = ("kv", i, g, kv, n, heads[h], s, e)
+                _attention(mem, cfg, layout, rank, tp, base, ids[g], (i, g), ratio)
     return mem
 
 
-def _mamba(mem, cfg, spec, rank, tp, starts, where) -> None:
+def _attention(mem, cfg, layout: AttentionPage, rank, tp, base, ids, where, ratio) -> None:
+    heads = rank_units(cfg.attention.num_kv_heads, tp, rank)
+    assert list(layout.heads) == heads
+    row = layout.row_bytes
+    # kernel block n of the request (tokens [n*KB, (n+1)*KB)) is table entry n // ratio; the
+    # null page (a freed window page) holds nothing
+    kids = [p * ratio + j for p in ids for j in range(ratio)]
+    for n, kid in enumerate(kids):
+        if kid < ratio:
+            continue
+        for kv, h, s in itertools.product(range(2), range(len(heads)), range(KB)):
+            r = layout.row(kid, kv, h, s)
+            for e in range(row):
+                mem[base + r * row + e] = ("kv", *where, kv, n, heads[h], s, e)
+
+
+def _mamba(mem, cfg, layout: MambaPage, rank, tp, starts, where) -> None:
     m = cfg.mamba
     heads = rank_units(m.num_heads, tp, rank)
     groups = rank_units(m.n_groups, tp, rank)
+    assert (list(layout.heads), list(layout.groups)) == (heads, groups)
     chans = [("x", h, d) for h in heads for d in range(m.head_dim)]
     chans += [(bc, grp, n) for bc in "BC" for grp in groups for n in range(m.state_size)]
-    rows, ci, si = m.conv_kernel - 1, DTYPE_BYTES[spec.conv_dtype], DTYPE_BYTES[spec.ssm_dtype]
-    conv_bytes = len(chans) * rows * ci
+    rows, ci, si = layout.conv_rows, layout.conv_dtype_bytes, layout.ssm_dtype_bytes
     for start in starts:
         for c, label in enumerate(chans):
             for row, e in itertools.product(range(rows), range(ci)):
-                cell = c * rows + row if spec.layout == "DS" else row * len(chans) + c
+                # DS: channel-major (x, then B, then C: the slabs in order); SD: row-major
+                cell = c * rows + row if layout.layout == "DS" else row * len(chans) + c
                 mem[start + cell * ci + e] = ("conv", *where, label, row, e)
         for h, p, n, e in itertools.product(
             range(len(heads)), range(m.head_dim), range(m.state_size), range(si)
         ):
-            off = conv_bytes + ((h * m.head_dim + p) * m.state_size + n) * si + e
+            off = layout.ssm.offset + ((h * m.head_dim + p) * m.state_size + n) * si + e
             mem[start + off] = ("ssm", *where, heads[h], p, n, e)
 
 

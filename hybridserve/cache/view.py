@@ -1,18 +1,12 @@
-"""Typed views of the raw cache regions.
+"""Typed views of the raw cache regions, at the offsets of `cache.page_layout`.
 
 A region is one uint8 buffer `[tp, num_pages * page_rows, row_bytes]` (sharded over "tp" on axis
 0: each rank owns the bytes of its own pages); page p is rows `[p * page_rows, (p+1) * page_rows)`
-and a row is one head's K (or V) of one token. The buffer is never reshaped: XLA then updates it
-in place. Every layer reads and writes its cache through a typed view of its region: the
-attention view and the Mamba view of one page are the same bytes.
-
-Page layouts (per rank, `kb` = kernel block, `ratio` kernel blocks per page):
-  attention: `ratio` kernel pages, each `[K | V]`, each half head-major (HND):
-             `[kv_heads_local, kb tokens, head_dim]`, so that one rank's share of the heads is
-             one contiguous range (heterogeneous-TP transfers read it with one descriptor).
-             A row is one head's one token: `r = ((kernel_block * 2 + kv) * heads + h) * kb + s`.
-  mamba:     `[conv x | conv B | conv C | ssm | padding]` in the DS layout (each of x, B, C is
-             `[channels_local, W-1]`), or `[conv (W-1, conv_dim_local) | ssm | padding]` in SD.
+and a row is one head's K (or V) of one token (`AttentionPage.row_bytes`). The buffer is never
+reshaped: XLA then updates it in place. Every layer reads and writes its cache through a typed
+view of its region: the attention view and the Mamba view of one page are the same bytes. Where
+each byte lies (K/V halves, head-major kernel pages, the x/B/C/ssm slabs, padding) is the page
+layout's (`AttentionPage`, `MambaPage`); the views only read its rows and offsets.
 
 Global arrays (what the model computes with) split their sharded axis as `[tp, local]`; heads or
 groups fewer than tp are duplicated so that each rank holds one (`dup` copies of each).
@@ -25,6 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from hybridserve.cache.page_layout import AttentionPage, MambaPage
+
 # Page and row ids come from the scheduler and are always valid: promising it lets XLA update
 # the (donated) regions in place instead of guarding, and copying, the whole buffer.
 IN_BOUNDS = "promise_in_bounds"
@@ -32,16 +28,28 @@ IN_BOUNDS = "promise_in_bounds"
 
 @dataclasses.dataclass(frozen=True)
 class AttentionAccess:
-    """Where one attention layer's KV lives."""
+    """Where one attention layer's KV lives: its region, group and page layout (rank 0's: the
+    offsets are the same on every rank)."""
 
     region: int
     group: int
     kv_heads: int  # global KV heads of the model
-    kv_heads_local: int  # per rank, after duplication
-    head_dim: int
+    page: AttentionPage
     dtype: str
-    kernel_block: int
     sliding_window: int | None = None
+
+    @property
+    def kv_heads_local(self) -> int:
+        """Per rank, after duplication."""
+        return self.page.heads_local
+
+    @property
+    def head_dim(self) -> int:
+        return self.page.head_dim
+
+    @property
+    def kernel_block(self) -> int:
+        return self.page.kernel_block
 
     def dup(self, tp: int) -> int:
         return self.kv_heads_local * tp // self.kv_heads
@@ -49,19 +57,38 @@ class AttentionAccess:
 
 @dataclasses.dataclass(frozen=True)
 class MambaAccess:
-    """Where one Mamba layer's conv and ssm states live inside its state page."""
+    """Where one Mamba layer's conv and ssm states live inside its state page (`page`)."""
 
     region: int
     group: int
-    x_dim: int  # local
-    bc_dim: int  # local
     n_groups: int  # global B/C groups of the model
-    state_size: int
-    rows: int  # W - 1
+    page: MambaPage
     conv_dtype: str
-    ssm_shape: tuple[int, int, int]  # local (heads, head_dim, state)
     ssm_dtype: str
-    layout: str
+
+    @property
+    def x_dim(self) -> int:  # local
+        return self.page.x_dim
+
+    @property
+    def bc_dim(self) -> int:  # local
+        return self.page.bc_dim
+
+    @property
+    def state_size(self) -> int:
+        return self.page.state_size
+
+    @property
+    def rows(self) -> int:  # W - 1
+        return self.page.conv_rows
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:  # local (heads, head_dim, state)
+        return self.page.ssm_shape
+
+    @property
+    def layout(self) -> str:
+        return self.page.layout
 
     def group_dup(self, tp: int) -> int:
         return self.bc_dim // self.state_size * tp // self.n_groups
@@ -138,13 +165,15 @@ def _kv_rows(
     acc: AttentionAccess, table: jax.Array, positions: jax.Array, valid: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Rows [B, T, heads_local] of the K and V of tokens at `positions` (invalid: null page)."""
-    kb, heads = acc.kernel_block, acc.kv_heads_local
+    page, kb = acc.page, acc.kernel_block
     idx = jnp.clip(positions // kb, 0, table.shape[1] - 1)
-    kid = jnp.take_along_axis(table, idx, axis=1)  # [B, T]
-    head = jnp.arange(heads)[None, None, :]
-    k_rows = ((kid[..., None] * 2) * heads + head) * kb + (positions % kb)[..., None]
-    k_rows = jnp.where(valid[..., None], k_rows, head * kb)
-    v_rows = jnp.where(valid[..., None], k_rows + heads * kb, head * kb)
+    kid = jnp.take_along_axis(table, idx, axis=1)[..., None]  # [B, T, 1]
+    head = jnp.arange(page.heads_local)[None, None, :]
+    slot = (positions % kb)[..., None]
+    null = page.row(0, 0, head, 0)  # padding tokens: the null page's rows
+    k_rows, v_rows = (
+        jnp.where(valid[..., None], page.row(kid, kv, head, slot), null) for kv in (0, 1)
+    )
     return k_rows, v_rows
 
 
@@ -188,9 +217,8 @@ def read_kv(
 def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Array, jax.Array]:
     """The whole region as typed K and V pages `[kernel blocks, K, kb, H]` each (the layout
     `paged_attention` reads; a view: no page is gathered here)."""
-    kb, heads = acc.kernel_block, acc.kv_heads_local
     typed = from_raw(region, acc.dtype, (acc.head_dim,))  # [tp, rows, H]
-    typed = typed.reshape(tp, -1, 2, heads, kb, acc.head_dim)  # [tp, blocks, K|V, heads, kb, H]
+    typed = typed.reshape(tp, -1, *acc.page.kernel_page_shape)  # [tp, blocks, K|V, heads, kb, H]
     full = undup(merge_tp(typed, 2), 2, acc.dup(tp))  # [blocks, K|V, K, kb, H]
     return full[:, 0], full[:, 1]
 
@@ -201,20 +229,15 @@ def read_mamba(
     """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages,
     then `region` itself (unchanged), so a caller threads it on like `write_mamba`'s result."""
     raw = _read_pages(region, pages, page_rows)  # [tp, B, page_bytes]
-    n = jnp.dtype(acc.conv_dtype).itemsize * acc.rows
-    xb, bb = acc.x_dim * n, acc.bc_dim * n
-    cb = xb + 2 * bb
+    page = acc.page
     if acc.layout == "DS":
         parts = [
-            from_raw(raw[..., a : a + size], acc.conv_dtype, (dim, acc.rows))
-            for a, size, dim in (
-                (0, xb, acc.x_dim),
-                (xb, bb, acc.bc_dim),
-                (xb + bb, bb, acc.bc_dim),
-            )
+            from_raw(raw[..., s.offset : s.end], acc.conv_dtype, (dim, acc.rows))
+            for s, dim in ((page.x, acc.x_dim), (page.b, acc.bc_dim), (page.c, acc.bc_dim))
         ]
     else:
-        conv = from_raw(raw[..., :cb], acc.conv_dtype, (acc.rows, acc.x_dim + 2 * acc.bc_dim))
+        shape = (acc.rows, acc.x_dim + 2 * acc.bc_dim)
+        conv = from_raw(raw[..., : page.conv_bytes], acc.conv_dtype, shape)
         splits = (acc.x_dim, acc.x_dim + acc.bc_dim)
         parts = [jnp.swapaxes(p, -1, -2) for p in jnp.split(conv, splits, axis=-1)]
     x, b, c = (merge_tp(p, 1) for p in parts)  # [B, channels, W-1]
@@ -225,7 +248,8 @@ def read_mamba(
         )
         for m in (b, c)
     )
-    ssm = merge_tp(from_raw(raw[..., cb : cb + _ssm_bytes(acc)], acc.ssm_dtype, acc.ssm_shape), 1)
+    ssm_raw = raw[..., page.ssm.offset : page.ssm.end]
+    ssm = merge_tp(from_raw(ssm_raw, acc.ssm_dtype, acc.ssm_shape), 1)
     return x, b, c, ssm, region
 
 
@@ -249,14 +273,17 @@ def write_mamba(
         for m in (b, c)
     )
     x, b, c = (split_tp(m, 1, tp) for m in (x, b, c))  # [tp, B, local, W-1]
-    if acc.layout == "DS":
+    page = acc.page
+    if acc.layout == "DS":  # the x, B, C slabs in page order
         conv = [to_raw(m, acc.conv_dtype, 1) for m in (x, b, c)]
-    else:
+    else:  # [0, conv_bytes): (rows, conv_local)
         rows_major = jnp.concatenate([jnp.swapaxes(m, -1, -2) for m in (x, b, c)], axis=-1)
         conv = [to_raw(rows_major, acc.conv_dtype, 1)]
+    # the slabs are contiguous from 0: conv, then ssm at `conv_bytes`, then the padding
     raw = jnp.concatenate([*conv, to_raw(split_tp(ssm, 1, tp), acc.ssm_dtype, 1)], axis=-1)
     tp, _, width = region.shape
-    raw = jnp.pad(raw, ((0, 0), (0, 0), (0, page_rows * width - raw.shape[-1])))
+    _, pad = page.padding
+    raw = jnp.pad(raw, ((0, 0), (0, 0), (0, pad)))
     # one scatter of whole page rows for all requests, on the region in its own shape: XLA
     # updates the donated buffer in place (through a reshaped view it copies the whole region
     # first, every step, and bytes a P/D transfer writes meanwhile are lost). Padding rows
@@ -275,8 +302,3 @@ def _read_pages(region: jax.Array, pages: jax.Array, page_rows: int) -> jax.Arra
     tp, _, width = region.shape
     rows = region.at[:, _page_rows(pages, page_rows)].get(mode=IN_BOUNDS)
     return rows.reshape(tp, pages.shape[0], page_rows * width)
-
-
-def _ssm_bytes(acc: MambaAccess) -> int:
-    h, p, n = acc.ssm_shape
-    return h * p * n * jnp.dtype(acc.ssm_dtype).itemsize

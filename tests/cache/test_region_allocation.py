@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridserve.runner.regions import allocate_regions, shard_buffers
+from hybridserve.cache.regions import allocate_regions, shard_buffers
 
 
 def test_cpu_regions_are_xla_zeros_even_when_shareable_is_asked():

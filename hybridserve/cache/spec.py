@@ -1,4 +1,4 @@
-"""Per-layer cache specs, their grouping, and the one physical pool they share (the HMA).
+"""Per-layer cache specs: what one layer keeps per page, in bytes per TP rank (the HMA's leaves).
 
 Every cached layer declares a spec with its page size in bytes *per TP rank*:
   FullAttention:  a page holds `block_size` tokens of K and V:
@@ -6,19 +6,11 @@ Every cached layer declares a spec with its page size in bytes *per TP rank*:
   SlidingWindow:  the same page, plus a window (blocks that leave it are freed)
   Sconv:          a virtual sliding-window layer over a short conv's inputs (window W-1), its
                   pages shaped like attention pages (`SconvSpec`)
-  Mamba:          a page holds one whole state snapshot `[conv | ssm]`, conv in the DS layout
-                  `(conv_dim_local, W-1)` (x rows, then B, then C) or SD `(W-1, conv_dim_local)`.
-
-Grouping (`plan_cache`): layers with equal specs form buckets; `group_size` is the smallest bucket
-(or the largest, when the largest is < 1.5x the smallest); each bucket splits into
-`cdiv(n, group_size)` groups by stride, the last one padded. Region i (one physical buffer) holds
-layer i of every group, and ONE block pool hands out page ids that are valid in every region.
-
-Page unification: the attention block becomes the smallest multiple of the kernel block whose
-page is at least the Mamba state, and Mamba pages are padded to exactly that page:
-  `block = A * cdiv(mamba_state_bytes, A * attn_bytes_per_token)`,  `ratio = block / A`.
-Logical (scheduler) block ids expand to kernel blocks `L * ratio + j` for attention; Mamba ids
-stay logical. Standard library only.
+  Mamba:          a page holds one whole state snapshot `[conv | ssm]` (conv in the DS or SD
+                  layout), padded to the plan's page.
+Where each byte of a page lies is `cache.page_layout`; grouping and the shared pool are
+`cache.plan`. Each spec says its group kind (`kind`) and the most pages one request holds
+(`max_pages`), so callers need not branch on its type. Standard library only.
 """
 
 from __future__ import annotations
@@ -26,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import ClassVar
 
 from hybridserve.config import AttentionConfig, ConfigError, MambaConfig, ModelConfig
 
@@ -52,6 +45,7 @@ def canonical_dtype(dtype: str) -> str:
 
 
 def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a cache dtype (ConfigError for an unknown name)."""
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
@@ -75,6 +69,9 @@ def replicated_size(total: int, tp: int, what: str) -> int:
 class FullAttentionSpec:
     """K and V of `block_size` tokens per page (per rank)."""
 
+    kind: ClassVar[str] = "full_attention"
+    holds_tokens: ClassVar[bool] = True  # pages hold tokens (block tables of kernel blocks)
+
     num_kv_heads: int
     head_dim: int
     dtype: str
@@ -88,12 +85,25 @@ class FullAttentionSpec:
     def page_size_bytes(self) -> int:
         return self.block_size * self.bytes_per_token
 
+    def max_pages(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """The most pages one request of up to `num_tokens` tokens holds at once, computed in
+        steps of at most `chunk` tokens, with `block_size` tokens a page: `cdiv(n, block)`."""
+        return -(-num_tokens // block_size)
+
 
 @dataclasses.dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
     """Attention over the last `sliding_window` tokens: older blocks can be freed."""
 
+    kind: ClassVar[str] = "sliding_window"
+
     sliding_window: int = 4096
+
+    def max_pages(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """A step over `[s, s + chunk)` holds the pages of `[s - window, s + chunk)`:
+        `min(cdiv(n, block), cdiv(window + chunk, block) + 1)`."""
+        full = -(-num_tokens // block_size)
+        return min(full, -(-(self.sliding_window + chunk) // block_size) + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +123,9 @@ class SconvSpec(SlidingWindowSpec):
 @dataclasses.dataclass(frozen=True)
 class MambaSpec:
     """One Mamba2 state per page (per rank): conv `[x | B | C]` then ssm, then padding."""
+
+    kind: ClassVar[str] = "mamba"
+    holds_tokens: ClassVar[bool] = False  # one state page per request (tables of page ids)
 
     x_dim: int  # local conv channels of x (heads_local * head_dim)
     bc_dim: int  # local conv channels of B (and of C): groups_local * state_size
@@ -158,6 +171,10 @@ class MambaSpec:
     def page_size_bytes(self) -> int:
         return self.page_size_padded or self.state_bytes
 
+    def max_pages(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """One running state page, whatever the length."""
+        return 1
+
 
 Spec = FullAttentionSpec | SlidingWindowSpec | SconvSpec | MambaSpec
 
@@ -173,6 +190,7 @@ def conv_layout(explicit: str | None = None) -> str:
 def attention_spec(
     cfg: AttentionConfig, tp: int, dtype: str, window: int | None = None
 ) -> FullAttentionSpec:
+    """One rank's spec of an attention layer (a window: sliding)."""
     heads = replicated_size(cfg.num_kv_heads, tp, "num_key_value_heads")
     if window is not None:
         return SlidingWindowSpec(heads, cfg.head_dim, dtype, sliding_window=window)
@@ -186,6 +204,7 @@ def mamba_spec(
     ssm_dtype: str = "float32",
     layout: str | None = None,
 ) -> MambaSpec:
+    """One rank's spec of a Mamba2 layer (heads split over TP, groups split or duplicated)."""
     if cfg.num_heads % tp:
         raise ConfigError(
             f"mamba num_heads = {cfg.num_heads} is not divisible by tensor_parallel_size {tp}"
@@ -267,110 +286,3 @@ def sconv_entries(cfg: ModelConfig) -> list[dict[str, tuple[int, ...]]]:
                 nxt += sizes[site]
         out.append(sites)
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheGroup:
-    """Layers sharing one spec and one block table per request. `layers[i]` lives in region i
-    (None: a padding slot)."""
-
-    spec: Spec
-    layers: tuple[int | None, ...]
-
-    @property
-    def kind(self) -> str:
-        if isinstance(self.spec, MambaSpec):
-            return "mamba"
-        if isinstance(self.spec, SconvSpec | SlidingWindowSpec):
-            return "sliding_window"
-        return "full_attention"
-
-
-@dataclasses.dataclass(frozen=True)
-class CachePlan:
-    """Groups over shared regions, with unified page size and block sizes."""
-
-    groups: tuple[CacheGroup, ...]
-    num_regions: int
-    page_size_bytes: int  # every page, per rank
-    block_size: int  # logical tokens per attention page
-    kernel_block_size: int
-    tensor_parallel_size: int
-
-    @property
-    def ratio(self) -> int:
-        """Kernel (physical) attention blocks per logical block."""
-        return self.block_size // self.kernel_block_size
-
-    def region_of(self, layer: int) -> int:
-        for group in self.groups:
-            if layer in group.layers:
-                return group.layers.index(layer)
-        raise KeyError(f"layer {layer} has no cache")
-
-    def group_of(self, layer: int) -> int:
-        for g, group in enumerate(self.groups):
-            if layer in group.layers:
-                return g
-        raise KeyError(f"layer {layer} has no cache")
-
-
-def group_layers(specs: list[Spec | None]) -> list[CacheGroup]:
-    """Bucket layers by equal spec, then split the buckets into groups of one size."""
-    buckets: dict[Spec, list[int]] = {}
-    for layer, spec in enumerate(specs):
-        if spec is not None:
-            buckets.setdefault(spec, []).append(layer)
-    if not buckets:
-        return []
-    sizes = [len(v) for v in buckets.values()]
-    smallest, largest = min(sizes), max(sizes)
-    group_size = largest if largest < 1.5 * smallest else smallest
-    groups = []
-    for spec, layers in buckets.items():
-        n = -(-len(layers) // group_size)
-        for g in range(n):
-            members = layers[g::n]
-            groups.append(CacheGroup(spec, tuple(members) + (None,) * (group_size - len(members))))
-    return groups
-
-
-def plan_cache(
-    specs: list[Spec | None],
-    tp: int = 1,
-    kernel_block_size: int = 16,
-    block_size: int | None = None,
-) -> CachePlan:
-    """Group the specs and unify their page sizes (see the module docstring).
-
-    `block_size` (tokens) is a lower bound asked by the user; it is raised to fit a Mamba state.
-    """
-    groups = group_layers(specs)
-    if not groups:
-        raise ConfigError("the model has no cached layers")
-    token_specs = [g.spec for g in groups if not isinstance(g.spec, MambaSpec)]
-    mamba_bytes = max(
-        (g.spec.state_bytes for g in groups if isinstance(g.spec, MambaSpec)), default=0
-    )
-    a = kernel_block_size
-    per_token = max((s.bytes_per_token for s in token_specs), default=0)
-    if per_token:
-        blocks = max(-(-mamba_bytes // (a * per_token)), -(-(block_size or a) // a), 1)
-        logical = a * blocks
-        page = logical * per_token
-    else:  # a pure state-space model: one state per page, no tokens
-        logical, page = block_size or a, mamba_bytes
-    unified = []
-    for g in groups:
-        spec = g.spec
-        if isinstance(spec, MambaSpec):
-            spec = dataclasses.replace(spec, page_size_padded=page)
-        else:
-            spec = dataclasses.replace(spec, block_size=logical)
-            if spec.page_size_bytes != page:
-                raise ConfigError(
-                    f"attention specs with different bytes per token cannot share "
-                    f"pages: {spec.page_size_bytes} != {page}"
-                )
-        unified.append(CacheGroup(spec, g.layers))
-    return CachePlan(tuple(unified), len(groups[0].layers), page, logical, a, tp)

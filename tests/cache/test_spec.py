@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from hybridserve.cache.plan import group_layers, plan_cache
+from hybridserve.cache.spec import CONV_LAYOUT_ENV, FullAttentionSpec, MambaSpec, layer_specs
 from hybridserve.config import (
     AttentionConfig,
     ConfigError,
@@ -14,14 +16,6 @@ from hybridserve.config import (
     MoeConfig,
 )
 from hybridserve.core.prefix_cache import prefix_unit
-from hybridserve.kv_spec import (
-    CONV_LAYOUT_ENV,
-    FullAttentionSpec,
-    MambaSpec,
-    group_layers,
-    layer_specs,
-    plan_cache,
-)
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 KINDS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}

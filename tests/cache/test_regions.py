@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybridserve.cache.plan import plan_cache
+from hybridserve.cache.regions import build_layout
+from hybridserve.cache.spec import layer_specs
+from hybridserve.cache.view import from_raw, kv_pages, read_mamba, write_mamba
 from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
-from hybridserve.kv_spec import layer_specs, plan_cache
-from hybridserve.layers.cache_view import from_raw, kv_pages, read_mamba, write_mamba
-from hybridserve.runner.model_runner import build_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from check_region_copies import region_copies  # noqa: E402
@@ -70,7 +71,7 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
         np.testing.assert_array_equal(per_rank[r][: spec.state_bytes], state[r])
         # and the ssm bytes of rank r are the ssm values of its heads
         ssm_r = from_raw(
-            jnp.asarray(state[r : r + 1, None, spec.conv_bytes :]), "float32", spec.ssm_shape
+            jnp.asarray(state[r : r + 1, None, mamba.page.ssm.offset :]), "float32", spec.ssm_shape
         )
         np.testing.assert_array_equal(
             np.asarray(ssm_r)[0, 0], np.asarray(ssm)[0, r * 4 // tp : (r + 1) * 4 // tp]
