@@ -12,7 +12,7 @@ One run, one device:
        engine:  `LLMEngine.step()` (schedule, program, sampling, token to host), per call;
        matmul:  every dense weight the step reads, multiplied by a [B, in] activation in one jitted
                 program: the GEMV/GEMM time XLA alone gets from these weights;
-     and the bytes the step must move (`hybridserve.decode_cost`): weights (embedding rows,
+     and the bytes the step must move (`scripts/decode_cost.py`): weights (embedding rows,
      MoE expert coverage), KV at the context, Mamba state read + write, each reported apart.
   Ratios are time / floor; the acceptance bound at batch 1 is forward <= 1.15 x floor.
 
@@ -40,10 +40,10 @@ from flax import nnx
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig
-from hybridserve.decode_cost import NOT_IN_DECODE, decode_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
+from decode_cost import NOT_IN_DECODE, decode_bytes  # noqa: E402
 
 
 def copy_bandwidth(mib: int, repeats: int = 20) -> float:

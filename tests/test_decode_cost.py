@@ -18,11 +18,11 @@ from flax import nnx
 from backends.protocol import load_ops
 from hybridserve.cache.plan import make_plan
 from hybridserve.config import CacheConfig
-from hybridserve.decode_cost import cache_bytes, decode_bytes, expert_coverage, weight_bytes
 from hybridserve.weights.loader import abstract_model, read_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import random_models  # noqa: E402
+from decode_cost import cache_bytes, decode_bytes, expert_coverage, weight_bytes  # noqa: E402
 
 
 def _abstract(shape: str, tmp_path: Path):

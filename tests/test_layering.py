@@ -43,7 +43,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "hybridserve.cache": CONFIG,
     **{m: (*CONFIG, *PURE_CACHE) for m in PURE_CACHE},  # no device views under the arithmetic
     "hybridserve.core": (*CONFIG, *PURE_CACHE),  # the scheduler never sees device memory
-    "hybridserve.decode_cost": CACHE,
     "hybridserve.layers": (*CACHE, "backends"),
     "hybridserve.models": MODEL,
     "hybridserve.weights": MODEL,

@@ -80,11 +80,6 @@ class Producer:
         self.refused_notes = 0  # notes about requests not held here, or with a wrong cap
         self._released: list[str] = []
 
-    @property
-    def leases(self) -> dict[str, float]:
-        """req_id -> the end of its lease, for every held request."""
-        return {r: h.deadline for r, h in self.held.items()}
-
     def params(
         self,
         req_id: str,
