@@ -23,10 +23,9 @@ from flax import nnx
 
 from backends.protocol import load_ops
 from hybridserve.api import DEFAULT_MODEL
-from hybridserve.config import AttentionConfig, ModelConfig
-from hybridserve.layer_configs import MtpConfig
+from hybridserve.config import AttentionConfig, ModelConfig, MtpConfig
+from hybridserve.config.inkling_presets import inkling_mid, layer_pattern
 from hybridserve.models.hybrid import HybridModel
-from hybridserve.models.inkling_configs import inkling_mid, layer_pattern
 from hybridserve.weights.loader import read_config, save_converted
 
 CONFIGS = ("tiny", "mid")

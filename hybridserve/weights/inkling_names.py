@@ -8,8 +8,8 @@ exporter (`inkling_export`) writes through `Codec.to_hf`. The layout is document
 docs/inkling_checkpoint.md.
 
 To map new parameters, add a section function to `SECTIONS` (and a row to the doc, and bump
-`inkling_config.LAYOUT_VERSION`): parameters without a rule make both the exporter and the
-loader fail, naming them.
+`hybridserve.config.inkling.LAYOUT_VERSION`): parameters without a rule make both the exporter
+and the loader fail, naming them.
 """
 
 from __future__ import annotations

@@ -36,6 +36,12 @@ import functools
 import pytest
 
 from hybridserve.config import SchedulerConfig
+from hybridserve.config.inkling_presets import (
+    active_param_count,
+    inkling_full,
+    inkling_mid,
+    param_count,
+)
 from hybridserve.core.cache_manager import CacheCoordinator, cdiv
 from hybridserve.core.request import Request
 from hybridserve.core.scheduler import Scheduler
@@ -46,12 +52,6 @@ from hybridserve.kv_spec import (
     layer_specs,
     plan_cache,
     sconv_entries,
-)
-from hybridserve.models.inkling_configs import (
-    active_param_count,
-    inkling_full,
-    inkling_mid,
-    param_count,
 )
 
 CONTEXT = 1 << 20
