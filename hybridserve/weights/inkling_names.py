@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from hybridserve.config import ModelConfig
-from hybridserve.weights.hf_names import Source
 from hybridserve.weights.safetensors_io import WeightError
+from hybridserve.weights.sources import Source
 
 BLOCK = 32  # K rows per packed block of our NVFP4 codes (backends.nvfp4.BLOCK)
 
