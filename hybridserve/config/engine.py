@@ -194,14 +194,17 @@ class EngineConfig:
             top["max_model_len"] = subs["scheduler"].max_model_len
         return cls(model=str(model), **top, **subs)
 
+    def flat(self) -> dict[str, Any]:
+        """This config's value of every flat key of `KEYS`."""
+        return {
+            key: getattr(self if field is None else getattr(self, field), name)
+            for key, (field, name) in KEYS.items()
+        }
+
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """The default value of every flat key of `KEYS`."""
-        base = cls(model="")
-        return {
-            key: getattr(base if field is None else getattr(base, field), name)
-            for key, (field, name) in KEYS.items()
-        }
+        return cls(model="").flat()
 
 
 # flat keyword -> (EngineConfig field holding it, or None for EngineConfig itself; field name)
