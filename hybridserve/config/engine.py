@@ -83,6 +83,10 @@ class SchedulerConfig:
             "max_num_batched_tokens must be >= max_num_seqs",
         )
         require(self.max_prefill_chunk >= 1, "max_prefill_chunk must be >= 1")
+        require(
+            self.prefix_unit is None or self.prefix_unit >= 1,
+            f"prefix_unit must be >= 1 (or None: automatic), got {self.prefix_unit}",
+        )
         require(self.max_model_len >= 2, "max_model_len must be >= 2")
 
 

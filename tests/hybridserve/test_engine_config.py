@@ -134,6 +134,7 @@ def test_unknown_keys_are_named():
         ({"max_prefill_chunk": 0}, "max_prefill_chunk must be >= 1"),
         ({"max_model_len": 1}, "max_model_len must be >= 2"),
         ({"max_held_fraction": 0}, r"max_held_fraction must be in \(0, 1\]"),
+        ({"prefix_unit": 0}, "prefix_unit must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         ({"cache": {"num_pages": 1}}, "num_pages must be >= 2"),
         ({"speculative_config": {"method": "eagle"}}, "unknown speculative method 'eagle'"),
