@@ -16,6 +16,7 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from hybridserve.config.errors import ConfigError, require
@@ -157,7 +158,7 @@ class EngineConfig:
             object.__setattr__(self, "scheduler", scheduler)
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+    def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> EngineConfig:
         """The config of `model` from the flat keywords of `KEYS` (`LLM`'s keyword arguments).
 
         Sub-configs come whole as `cache`, `scheduler`, `parallel`, `speculative_config` (alias
