@@ -112,8 +112,8 @@ class SpeculativeConfig:
 
 
 def from_mapping(cls: type, data: Any, what: str) -> Any:
-    """`cls(**data)` for a dict `data` (an instance of `cls` as is); `SettingError` naming
-    unknown keys, `SettingError` for a value of the wrong type."""
+    """`cls(**data)` for a dict `data` (an instance of `cls` as is); `SettingError` for unknown
+    keys (naming them) or a value of the wrong type. `what` names the setting in messages."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
@@ -177,7 +177,8 @@ class EngineConfig:
             if key not in kwargs:
                 continue
             if field in subs:
-                raise ConfigError(f"{key} given twice (as {key} and as its alias)")
+                both = [k for k, (f, _) in WHOLE.items() if f == field and k in kwargs]
+                raise ConfigError(f"{' and '.join(both)} are one setting: give one of them")
             value = kwargs[key]
             if value is None:
                 subs[field] = None if field in OPTIONAL else sub_cls()

@@ -117,7 +117,7 @@ def test_unknown_keys_are_named():
         EngineConfig.from_kwargs("m", speculative_config={"tokens": 3})
     with pytest.raises(SettingError, match=r"cache: unknown keys \['pages'\]"):
         EngineConfig.from_kwargs("m", cache={"pages": 3})
-    with pytest.raises(ConfigError, match="given twice"):
+    with pytest.raises(ConfigError, match="kv_transfer_config and kv_transfer are one setting"):
         EngineConfig.from_kwargs("m", kv_transfer=KV, kv_transfer_config=KV)
     with pytest.raises(ConfigError, match="must be a CacheConfig or a dict"):
         EngineConfig.from_kwargs("m", cache=40)
