@@ -11,7 +11,14 @@ import sys
 import time
 
 from hybridserve.entrypoints import DEFAULT_MODEL
-from hybridserve.server.flags import add_http_args, add_proxy_parser, check_http_args
+from hybridserve.server.flags import (
+    SERVE_ENGINE_FLAGS,
+    add_engine_args,
+    add_http_args,
+    add_proxy_parser,
+    check_http_args,
+    engine_kwargs,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,44 +28,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="HF directory (nemotron_h, bamba, granitemoehybrid) or a directory made "
         "by `hybridserve convert` (default: the shipped toy model)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16"],
-        default=None,
-        help="compute dtype (default: the checkpoint's)",
-    )
-    p.add_argument(
-        "--backend",
-        default="xla",
-        choices=["xla", "pallas", "torch"],
-        help="op backend (default: xla, the reference)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="devices to shard the model over"
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=2048, help="longest prompt + output in tokens"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="tokens computed per step"
-    )
-    p.add_argument(
-        "--no-prefix-caching", action="store_true", help="do not reuse computed prefixes"
-    )
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine settings `_add_engine_args` defines, as `LLM` / `EngineConfig` keywords."""
-    return dict(
-        dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        backend=args.backend,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    add_engine_args(p)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -66,11 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     from hybridserve.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(
-        args.model,
-        **_engine_kwargs(args),
-        progress=True,
-    )
+    llm = LLM(args.model, progress=True, **engine_kwargs(args))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -138,17 +104,15 @@ def _serve(args: argparse.Namespace) -> int:
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     check_http_args(args)
-    from hybridserve.config import CacheConfig
-    from hybridserve.engine import EngineConfig
+    from hybridserve.config import EngineConfig
     from hybridserve.server.app import ServerSettings
 
     names = args.served_model_name or [args.model_arg or "default"]
-    engine_config = EngineConfig(
-        model=model,
-        **_engine_kwargs(args),
-        cache=CacheConfig(block_size=args.block_size),
-        seed=args.seed,
-        kv_transfer=kv_transfer,
+    engine_config = EngineConfig.from_kwargs(
+        model,
+        **engine_kwargs(args),
+        **engine_kwargs(args, SERVE_ENGINE_FLAGS),
+        kv_transfer_config=kv_transfer,
     )
     settings = ServerSettings(
         model_names=tuple(names),
@@ -193,13 +157,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="model directory, as --model (default: the shipped toy model)",
     )
     _add_engine_args(p)
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="least tokens per cache page (raised to fit a Mamba state; default: just that)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="base seed of requests that give none")
+    add_engine_args(p, SERVE_ENGINE_FLAGS)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
     p.add_argument(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridserve.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
+from hybridserve.config import EngineConfig
 from hybridserve.core.connector import create_connector
 from hybridserve.core.kv_transfer import KVTransfers
 from hybridserve.core.request import MultimodalInput, Request
@@ -39,26 +39,6 @@ from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings. `dtype=None` keeps the checkpoint's dtype."""
-
-    model: str
-    dtype: str | None = None
-    tensor_parallel_size: int = 1
-    backend: str = "xla"
-    max_model_len: int = 2048
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    max_prefill_chunk: int = 256
-    enable_prefix_caching: bool = True
-    cache: CacheConfig = CacheConfig()
-    seed: int = 0
-    kv_transfer: KVTransferConfig | None = None
-    speculative: SpeculativeConfig | None = None
-    load_format: str = "auto"
-
-
 class LLMEngine:
     """Loads a model and serves many requests at once (see the module docstring)."""
 
@@ -67,31 +47,26 @@ class LLMEngine:
         self.runner = make_runner(
             config.model,
             dtype=config.dtype,
-            tp=config.tensor_parallel_size,
+            tp=config.parallel.tensor_parallel_size,
             backend=config.backend,
             cache=config.cache,
             max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_prefill_chunk=config.max_prefill_chunk,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_prefill_chunk=config.scheduler.max_prefill_chunk,
             progress=progress,
             shareable_regions=config.kv_transfer is not None,  # a connector exports them
             load_format=config.load_format,
             seed=config.seed,
         )
         self.model_config = self.runner.cfg
-        self.max_model_len = self.runner.max_model_len
+        self.max_model_len = self.runner.max_model_len  # at most max_position_embeddings
         self.scheduler = Scheduler(
             self.runner.plan,
             self.runner.num_pages,
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_prefill_chunk=config.max_prefill_chunk,
-                max_model_len=self.max_model_len,
-                enable_prefix_caching=config.enable_prefix_caching,
-            ),
+            dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
         )
-        need = self.scheduler.coordinator.pages_for(self.max_model_len, config.max_prefill_chunk)
+        chunk = config.scheduler.max_prefill_chunk
+        need = self.scheduler.coordinator.pages_for(self.max_model_len, chunk)
         if self.runner.num_pages < need:
             raise ValueError(
                 f"the cache pool has {self.runner.num_pages} pages but one request of "

@@ -22,11 +22,10 @@ import numpy as np
 from flax import nnx
 
 from backends.protocol import load_ops
-from hybridserve.config import AttentionConfig, ModelConfig
+from hybridserve.config import AttentionConfig, ModelConfig, MtpConfig
+from hybridserve.config.inkling_presets import inkling_mid, layer_pattern
 from hybridserve.entrypoints import DEFAULT_MODEL
-from hybridserve.layer_configs import MtpConfig
 from hybridserve.models.hybrid import HybridModel
-from hybridserve.models.inkling_configs import inkling_mid, layer_pattern
 from hybridserve.weights.loader import read_config, save_converted
 
 CONFIGS = ("tiny", "mid")

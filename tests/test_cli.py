@@ -39,3 +39,14 @@ def test_help_and_bad_input():
     assert proc.returncode == 0 and "generate" in proc.stdout and "convert" in proc.stdout
     proc = _run("generate", "--model", "/nonexistent")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_engine_flags_reach_the_config():
+    """`serve --prefix-unit` and friends go through `EngineConfig.from_kwargs`: a bad value is
+    refused with its config message before the model loads."""
+    proc = _run("serve", "--prefix-unit", "0")
+    assert proc.returncode == 2 and "prefix_unit must be >= 1" in proc.stderr
+    proc = _run("serve", "--max-num-seqs", "0")
+    assert proc.returncode == 2 and "max_num_seqs must be >= 1" in proc.stderr
+    proc = _run("serve", "--help")
+    assert "--prefix-unit" in proc.stdout and "--max-prefill-chunk" in proc.stdout

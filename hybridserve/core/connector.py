@@ -37,7 +37,8 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from hybridserve.config import KV_CONNECTORS, ConfigError, KVTransferConfig
+from hybridserve.config.errors import ConfigError
+from hybridserve.config.kv_transfer import KV_CONNECTORS, KVTransferConfig
 
 
 @dataclasses.dataclass(frozen=True)

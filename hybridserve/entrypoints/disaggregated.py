@@ -30,11 +30,14 @@ from hybridserve.tokenizer import Tokenizer
 class DisaggregatedLLM:
     """`LLM` with prefill and decode on separate worker processes (see the module docstring).
 
-    Args: as `LLM`, plus `prefill_tp` / `decode_tp` (tensor parallel sizes of the two workers),
-    `lease_s` (how long the prefill worker holds pages for the decode worker, renewed by the
-    decode worker's heartbeats), `failure_policy` ("recompute" locally or "fail" when a
-    transfer fails) and `transfer_mode` ("pull": the decode worker READs; "push": the prefill
-    worker WRITEs).
+    Args: `model` as `LLM`; `prefill_tp` / `decode_tp` (tensor parallel sizes of the two
+    workers); the `KVTransferConfig` fields `lease_s` (how long the prefill worker holds pages
+    for the decode worker, renewed by the decode worker's heartbeats), `failure_policy`
+    ("recompute" locally or "fail" when a transfer fails) and `transfer_mode` ("pull": the
+    decode worker READs; "push": the prefill worker WRITEs), None keeping its default; and
+    the engine settings of both workers as `LLM` takes them (`EngineConfig.from_kwargs`
+    keywords but `tensor_parallel_size` and `kv_transfer_config`, which the roles set; a bad
+    one raises before any worker starts).
     """
 
     def __init__(
@@ -42,44 +45,29 @@ class DisaggregatedLLM:
         model: str | Path = DEFAULT_MODEL,
         prefill_tp: int = 1,
         decode_tp: int = 1,
-        dtype: str | None = None,
-        max_model_len: int = 2048,
-        max_num_seqs: int = 8,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        lease_s: float = 30.0,
-        failure_policy: str = "recompute",
-        transfer_mode: str = "pull",
+        lease_s: float | None = None,
+        failure_policy: str | None = None,
+        transfer_mode: str | None = None,
+        **engine_kwargs: Any,
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
-        common = dict(
-            model=str(model),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-        )
+        for key in ("tensor_parallel_size", "kv_transfer_config", "kv_transfer"):
+            if key in engine_kwargs:
+                raise TypeError(f"DisaggregatedLLM sets {key} itself (prefill_tp, decode_tp)")
+        common = {"model": str(model), **engine_kwargs}
+        producer = {"kv_role": "kv_producer", "lease_s": lease_s}
+        consumer = {
+            "kv_role": "kv_consumer",
+            "failure_policy": failure_policy,
+            "transfer_mode": transfer_mode,
+        }
+        specs = [
+            WorkerSpec({**common, "tensor_parallel_size": tp}, _set(kv), tp)
+            for tp, kv in ((prefill_tp, producer), (decode_tp, consumer))
+        ]
         self.tokenizer = Tokenizer.maybe_load(model)
-        self.prefill, self.decode = spawn_workers(
-            [
-                WorkerSpec(
-                    {**common, "tensor_parallel_size": prefill_tp},
-                    {"kv_role": "kv_producer", "lease_s": lease_s},
-                    prefill_tp,
-                ),
-                WorkerSpec(
-                    {**common, "tensor_parallel_size": decode_tp},
-                    {
-                        "kv_role": "kv_consumer",
-                        "failure_policy": failure_policy,
-                        "transfer_mode": transfer_mode,
-                    },
-                    decode_tp,
-                ),
-            ]
-        )
+        self.prefill, self.decode = spawn_workers(specs)
         self._counter = 0
 
     def __enter__(self) -> DisaggregatedLLM:
@@ -218,3 +206,8 @@ class DisaggregatedLLM:
                 pass
             result[name] = message["stats"] if message else {}
         return result
+
+
+def _set(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` without those that are None (they keep `KVTransferConfig`'s defaults)."""
+    return {k: v for k, v in fields.items() if v is not None}

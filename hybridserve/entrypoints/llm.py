@@ -17,11 +17,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from hybridserve.config import CacheConfig, KVTransferConfig, SpeculativeConfig
-from hybridserve.engine import EngineConfig, LLMEngine
+from hybridserve.config import EngineConfig
+from hybridserve.engine import LLMEngine
 from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -35,72 +36,43 @@ class LLM:
     Args:
       model: an HF directory (nemotron_h, bamba, granitemoehybrid; converted on the fly) or a
         directory written by `hybridserve convert`. Defaults to the shipped toy model.
-      dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
-      tensor_parallel_size: devices to shard the model (and its cache) over.
-      backend: op backend, "xla" (reference), "pallas" or "torch".
-      max_model_len: longest prompt + output, in tokens.
-      max_num_seqs: requests decoded together.
-      max_num_batched_tokens: tokens computed per step (prefill chunks and decode tokens).
-      max_prefill_chunk: prompt tokens per request and step (chunked prefill).
-      enable_prefix_caching: reuse computed prefixes (KV pages and Mamba state snapshots).
-      cache: the paged cache's settings (`CacheConfig`: dtypes, conv layout, pool size).
-      seed: base seed of requests whose SamplingParams carry none (and of dummy weights).
       progress: show a progress bar while loading weights.
-      speculative_config: speculative decoding (`SpeculativeConfig` or its fields as a dict,
-        e.g. `{"method": "mtp", "num_speculative_tokens": 3}`): the MTP heads draft, one pass
-        verifies (exact for every sampling setting).
-      kv_transfer_config: makes this a prefill (kv_producer) or decode (kv_consumer) engine of
-        a disaggregated pair (`KVTransferConfig`); prompts then carry "kv_transfer_params".
-      load_format: "auto" reads the checkpoint; "dummy" reads only the config and draws random
-        weights from `seed` (benchmarks of sizes no checkpoint here has; `weights/dummy.py`).
+      **engine_kwargs: the engine settings, as `EngineConfig.from_kwargs` takes them (an
+        unknown name is a `TypeError`; the defaults are `EngineConfig`'s):
+        dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
+        tensor_parallel_size: devices to shard the model (and its cache) over.
+        backend: op backend, "xla" (reference), "pallas" or "torch".
+        max_model_len: longest prompt + output, in tokens.
+        max_num_seqs: requests decoded together.
+        max_num_batched_tokens: tokens computed per step (prefill chunks and decode tokens).
+        max_prefill_chunk: prompt tokens per request and step (chunked prefill).
+        enable_prefix_caching: reuse computed prefixes (KV pages and Mamba state snapshots).
+        prefix_unit: the granularity of prefix-cache sharing, in tokens (None: the largest
+          divisor of the attention block that is a kernel-block multiple <= 256).
+        max_held_fraction: the most of the pool finished P/D prefill requests may hold.
+        cache: the paged cache's settings (`CacheConfig` or its fields as a dict: dtypes,
+          conv layout, pool size); block_size: the least tokens per cache page.
+        seed: base seed of requests whose SamplingParams carry none (and of dummy weights).
+        speculative_config: speculative decoding (`SpeculativeConfig` or its fields as a dict,
+          e.g. `{"method": "mtp", "num_speculative_tokens": 3}`): the MTP heads draft, one pass
+          verifies (exact for every sampling setting).
+        kv_transfer_config: makes this a prefill (kv_producer) or decode (kv_consumer) engine
+          of a disaggregated pair (`KVTransferConfig` or a dict); prompts then carry
+          "kv_transfer_params".
+        load_format: "auto" reads the checkpoint; "dummy" reads only the config and draws
+          random weights from `seed` (benchmarks of sizes no checkpoint here has).
     """
 
     def __init__(
-        self,
-        model: str | Path = DEFAULT_MODEL,
-        dtype: str | None = None,
-        tensor_parallel_size: int = 1,
-        backend: str = "xla",
-        max_model_len: int = 2048,
-        max_num_seqs: int = 8,
-        max_num_batched_tokens: int = 512,
-        max_prefill_chunk: int = 256,
-        enable_prefix_caching: bool = True,
-        cache: CacheConfig | None = None,
-        seed: int = 0,
-        progress: bool = True,
-        kv_transfer_config: KVTransferConfig | None = None,
-        speculative_config: SpeculativeConfig | dict | None = None,
-        load_format: str = "auto",
+        self, model: str | Path = DEFAULT_MODEL, progress: bool = True, **engine_kwargs: Any
     ) -> None:
         if not Path(model).is_dir():
             raise FileNotFoundError(
                 f"model directory {model} does not exist (no model hub "
                 "downloads: pass a local directory)"
             )
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=str(model),
-                dtype=dtype,
-                tensor_parallel_size=tensor_parallel_size,
-                backend=backend,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_prefill_chunk=max_prefill_chunk,
-                enable_prefix_caching=enable_prefix_caching,
-                cache=cache or CacheConfig(),
-                seed=seed,
-                kv_transfer=kv_transfer_config,
-                speculative=(
-                    SpeculativeConfig(**speculative_config)
-                    if isinstance(speculative_config, dict)
-                    else speculative_config
-                ),
-                load_format=load_format,
-            ),
-            progress=progress,
-        )
+        config = EngineConfig.from_kwargs(str(model), **engine_kwargs)
+        self.engine = LLMEngine(config, progress=progress)
 
     @property
     def tokenizer(self):

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from hybridserve.config import KVTransferConfig
+from hybridserve.config import EngineConfig
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -61,15 +61,12 @@ def _serve(
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ.update(env or {})  # e.g. JAX_PLATFORMS=cuda, CUDA_VISIBLE_DEVICES=1
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from hybridserve.config import CacheConfig
-    from hybridserve.engine import EngineConfig, LLMEngine
+    from hybridserve.engine import LLMEngine
     from hybridserve.sampling_params import SamplingParams
 
     try:
-        if isinstance(engine_kwargs.get("cache"), dict):
-            engine_kwargs = {**engine_kwargs, "cache": CacheConfig(**engine_kwargs["cache"])}
-        transfer = KVTransferConfig(**kv) if kv else None
-        engine = LLMEngine(EngineConfig(**engine_kwargs, kv_transfer=transfer), progress=False)
+        config = EngineConfig.from_kwargs(**engine_kwargs, kv_transfer_config=kv or None)
+        engine = LLMEngine(config, progress=False)
     except Exception as err:  # report any start-up failure to the parent
         conn.send_bytes(pack({"error": f"{type(err).__name__}: {err}"}))
         return
@@ -153,7 +150,8 @@ class WorkerHandle:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSpec:
-    """One worker process: its engine's `EngineConfig` fields, its kv_transfer role (None: a
+    """One worker process: its engine's settings (`EngineConfig.from_kwargs` keywords, "model"
+    included; checked by `check`), its kv_transfer role (`KVTransferConfig` fields; None: a
     plain, colocated engine), its JAX device count and the variables set in it before JAX
     loads (on GPUs: `JAX_PLATFORMS=cuda` and the worker's `CUDA_VISIBLE_DEVICES`)."""
 
@@ -161,6 +159,10 @@ class WorkerSpec:
     kv: dict[str, Any] | None
     devices: int
     env: dict[str, str] | None = None
+
+    def check(self) -> EngineConfig:
+        """The worker's `EngineConfig`, built here: a bad setting raises in the parent."""
+        return EngineConfig.from_kwargs(**self.engine_kwargs, kv_transfer_config=self.kv or None)
 
 
 def spawn_workers(specs: list[WorkerSpec], start_timeout: float = 600.0) -> list[WorkerHandle]:
@@ -170,6 +172,8 @@ def spawn_workers(specs: list[WorkerSpec], start_timeout: float = 600.0) -> list
     ctx = mp.get_context("spawn")
     started: list[tuple[mp.Process, Any]] = []
     handles: list[WorkerHandle] = []
+    for spec in specs:
+        spec.check()  # before any process starts
     try:
         for spec in specs:
             parent, child = ctx.Pipe()

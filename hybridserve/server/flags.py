@@ -1,11 +1,110 @@
-"""Command-line flags of the HTTP front ends: those `serve` and `proxy` share (API key,
-connection deadlines) and the `proxy` subcommand (`hybridserve.cli` builds the parser)."""
+"""Command-line flags: the engine settings (`ENGINE_FLAGS`, one table onto the keywords of
+`EngineConfig.from_kwargs`, used by `generate` and `serve`), those of the HTTP front ends that
+`serve` and `proxy` share (API key, connection deadlines) and the `proxy` subcommand
+(`hybridserve.cli` builds the parser)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
+
+from hybridserve.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFlag:
+    """One command-line flag of an `EngineConfig.from_kwargs` keyword `key`. Its default is
+    the config's (the flag is left out of the keywords when not given); `const`: a flag that
+    takes no value and sets `key` to `const`."""
+
+    names: tuple[str, ...]
+    key: str
+    help: str
+    type: Any = int
+    choices: tuple[str, ...] | None = None
+    const: Any = None
+
+
+ENGINE_FLAGS = (
+    EngineFlag(("--dtype",), "dtype", "compute dtype", str, ("float32", "bfloat16")),
+    EngineFlag(
+        ("--backend",),
+        "backend",
+        "op backend; xla is the reference",
+        str,
+        ("xla", "pallas", "torch"),
+    ),
+    EngineFlag(
+        ("--tensor-parallel-size", "-tp"), "tensor_parallel_size", "devices to shard the model over"
+    ),
+    EngineFlag(("--max-model-len",), "max_model_len", "longest prompt + output in tokens"),
+    EngineFlag(("--max-num-seqs",), "max_num_seqs", "requests decoded together"),
+    EngineFlag(("--max-num-batched-tokens",), "max_num_batched_tokens", "tokens computed per step"),
+    EngineFlag(("--max-prefill-chunk",), "max_prefill_chunk", "prompt tokens per request and step"),
+    EngineFlag(
+        ("--no-prefix-caching",),
+        "enable_prefix_caching",
+        "do not reuse computed prefixes",
+        const=False,
+    ),
+    EngineFlag(
+        ("--prefix-unit",),
+        "prefix_unit",
+        "prefix-cache granularity in tokens (default: the largest divisor of the attention "
+        "block that is a kernel-block multiple <= 256)",
+    ),
+)
+# `serve` only (`generate`'s --seed is the sampling seed)
+SERVE_ENGINE_FLAGS = (
+    EngineFlag(
+        ("--block-size",),
+        "block_size",
+        "least tokens per cache page (raised to fit a Mamba state; default: just that)",
+    ),
+    EngineFlag(("--seed",), "seed", "base seed of requests that give none"),
+)
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser, flags: tuple[EngineFlag, ...] = ENGINE_FLAGS
+) -> None:
+    """Add `flags` to `p`; `engine_kwargs(args)` reads them back."""
+    defaults = EngineConfig.defaults()
+    for flag in flags:
+        default = defaults[flag.key]
+        shown = "the checkpoint's" if flag.key == "dtype" and default is None else default
+        text = (
+            flag.help
+            if flag.const is not None or "(default:" in flag.help
+            else f"{flag.help} (default: {shown})"
+        )
+        if flag.const is not None:
+            p.add_argument(
+                *flag.names,
+                dest=flag.key,
+                action="store_const",
+                const=flag.const,
+                default=None,
+                help=text,
+            )
+        else:
+            p.add_argument(
+                *flag.names,
+                dest=flag.key,
+                type=flag.type,
+                choices=flag.choices,
+                default=None,
+                help=text,
+            )
+
+
+def engine_kwargs(
+    args: argparse.Namespace, flags: tuple[EngineFlag, ...] = ENGINE_FLAGS
+) -> dict[str, Any]:
+    """The `EngineConfig.from_kwargs` keywords of the `flags` given on the command line."""
+    return {f.key: getattr(args, f.key) for f in flags if getattr(args, f.key) is not None}
 
 
 def check_http_args(args: argparse.Namespace) -> None:

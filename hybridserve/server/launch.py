@@ -17,7 +17,6 @@ can reject a bad flag before any of them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from hybridserve.config import KVTransferConfig
+from hybridserve.config.engine import from_mapping
 from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
 
 __all__ = ["DrainingServer", "bind", "parse_kv_transfer_config", "serve"]
@@ -44,16 +44,7 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
         raise ValueError(f"--kv-transfer-config is not valid JSON: {err}") from err
     if not isinstance(data, dict):
         raise ValueError("--kv-transfer-config must be a JSON object")
-    known = [f.name for f in dataclasses.fields(KVTransferConfig)]
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ValueError(
-            f"--kv-transfer-config: unknown keys {unknown}; the known keys are {known}"
-        )
-    try:
-        return KVTransferConfig(**data)
-    except TypeError as err:  # a value of the wrong type met a comparison
-        raise ValueError(f"--kv-transfer-config: a value has the wrong type: {err}") from err
+    return from_mapping(KVTransferConfig, data, "--kv-transfer-config")
 
 
 class DrainingServer(uvicorn.Server):

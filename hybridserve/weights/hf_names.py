@@ -12,20 +12,11 @@ Our own Inkling layout (architecture "inkling") has its two-way table in `inklin
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 
 from hybridserve.config import ModelConfig
-
-Hook = Callable[[list[np.ndarray], tuple[int, ...]], np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    names: tuple[str, ...]
-    hook: Hook
+from hybridserve.weights.inkling_names import inkling_sources
+from hybridserve.weights.sources import Hook, Source
 
 
 def same(arrs: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -167,8 +158,6 @@ def _granite_moe(table: dict, cfg: ModelConfig, ours: str, hf: str) -> None:
 def hf_sources(cfg: ModelConfig) -> dict[str, list[Source]]:
     """Our dotted parameter path -> candidate HF sources, for every parameter of the model."""
     if cfg.architecture == "inkling":
-        from hybridserve.weights.inkling_names import inkling_sources  # imports this module
-
         return inkling_sources(cfg)
     table: dict[str, list[Source]] = {}
     fam = cfg.architecture

@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from hybridserve.config import ModelConfig
-from hybridserve.inkling_config import inkling_config_json
+from hybridserve.config.inkling import inkling_config_json
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.weights.inkling_names import inkling_rules, unmapped
 from hybridserve.weights.loader import TOKENIZER_FILES

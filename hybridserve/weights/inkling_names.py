@@ -8,8 +8,8 @@ exporter (`inkling_export`) writes through `Codec.to_hf`. The layout is document
 docs/inkling_checkpoint.md.
 
 To map new parameters, add a section function to `SECTIONS` (and a row to the doc, and bump
-`inkling_config.LAYOUT_VERSION`): parameters without a rule make both the exporter and the
-loader fail, naming them.
+`hybridserve.config.inkling.LAYOUT_VERSION`): parameters without a rule make both the exporter
+and the loader fail, naming them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from hybridserve.config import ModelConfig
-from hybridserve.weights.hf_names import Source
 from hybridserve.weights.safetensors_io import WeightError
+from hybridserve.weights.sources import Source
 
 BLOCK = 32  # K rows per packed block of our NVFP4 codes (backends.nvfp4.BLOCK)
 

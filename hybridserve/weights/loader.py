@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from backends.protocol import Ops
-from hybridserve.config import ModelConfig
+from hybridserve.config import ModelConfig, parse_hf_config
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.parallel import state_shardings
 from hybridserve.weights.dummy import dummy_array
@@ -59,7 +59,7 @@ def read_config(path: str | Path) -> ModelConfig:
                 f"{meta.get('format_version')}, this build reads {FORMAT_VERSION}"
             )
         return ModelConfig.from_dict(meta["model"])
-    return ModelConfig.from_hf(path)
+    return parse_hf_config(path)
 
 
 def abstract_model(cfg: ModelConfig, ops: Ops, dtype: jnp.dtype) -> HybridModel:

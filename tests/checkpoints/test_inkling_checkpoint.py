@@ -20,9 +20,9 @@ from safetensors.numpy import load_file, save_file
 
 from backends import nvfp4
 from checkpoints.convert import convert
-from hybridserve.config import CacheConfig, ConfigError, ModelConfig, MtpConfig
+from hybridserve.config import CacheConfig, ConfigError, ModelConfig, MtpConfig, parse_hf_config
+from hybridserve.config.inkling import inkling_config_json
 from hybridserve.entrypoints import DEFAULT_MODEL
-from hybridserve.inkling_config import inkling_config_json
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.weights.inkling_export import export_inkling
@@ -70,7 +70,7 @@ def test_export_convert_equals_direct_save(dense, tmp_path):
     sharded = export_inkling(model, cfg, tmp_path / "sharded", max_shard_bytes=100_000)
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
-    assert ModelConfig.from_hf(sharded) == cfg
+    assert parse_hf_config(sharded) == cfg
     converted = convert(sharded, tmp_path / "converted", progress=False)
     meta = json.loads((converted / "hybridserve_config.json").read_text())
     assert ModelConfig.from_dict(meta["model"]) == cfg
@@ -117,7 +117,7 @@ def test_mtp_heads_round_trip(tmp_path):
     exported = export_inkling(model, cfg, tmp_path / "hf", max_shard_bytes=100_000)
     raw = json.loads((exported / "config.json").read_text())
     assert raw["layout_version"] == 2 and raw["num_nextn_predict_layers"] == 2
-    assert ModelConfig.from_hf(exported) == cfg
+    assert parse_hf_config(exported) == cfg
     reader = SafetensorsReader(exported)
     proj = reader.get("model.mtp.1.proj.weight")  # torch [out, in] = [D, 2D]
     np.testing.assert_array_equal(proj, np.asarray(model.mtp[1].proj[...]).T)
@@ -218,7 +218,7 @@ def test_config_errors(dense, tmp_path):
 
     def parse(**edits):
         (tmp_path / "config.json").write_text(json.dumps({**raw, **edits}))
-        return ModelConfig.from_hf(tmp_path)
+        return parse_hf_config(tmp_path)
 
     assert parse() == cfg
     del raw["num_nextn_predict_layers"]  # as layout_version 1 files were written: no MTP heads

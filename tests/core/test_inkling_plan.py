@@ -44,15 +44,15 @@ from hybridserve.cache.spec import (
     sconv_entries,
 )
 from hybridserve.config import SchedulerConfig
-from hybridserve.core.cache_manager import CacheCoordinator, cdiv
-from hybridserve.core.request import Request
-from hybridserve.core.scheduler import Scheduler
-from hybridserve.models.inkling_configs import (
+from hybridserve.config.inkling_presets import (
     active_param_count,
     inkling_full,
     inkling_mid,
     param_count,
 )
+from hybridserve.core.cache_manager import CacheCoordinator, cdiv
+from hybridserve.core.request import Request
+from hybridserve.core.scheduler import Scheduler
 
 CONTEXT = 1 << 20
 BLOCK = 16

@@ -195,3 +195,18 @@ def test_a_worker_that_fails_to_start_stops_the_other(hf_checkpoint):
     with pytest.raises(RuntimeError, match="failed to start"):
         DisaggregatedLLM(directory, decode_tp=3, **TINY)
     assert not multiprocessing.active_children()
+
+
+def test_bad_engine_settings_raise_before_any_worker_starts(hf_checkpoint):
+    """The workers' settings go through `EngineConfig.from_kwargs` in the parent: an unknown
+    or bad one raises at once, naming it, and no process starts."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    with pytest.raises(TypeError, match=r"unknown engine settings \['max_num_seq'\]"):
+        DisaggregatedLLM(directory, **TINY, max_num_seq=4)
+    with pytest.raises(ValueError, match="prefix_unit must be >= 1"):
+        DisaggregatedLLM(directory, **TINY, prefix_unit=0)
+    with pytest.raises(ValueError, match="failure_policy must be"):
+        DisaggregatedLLM(directory, **TINY, failure_policy="retry")
+    with pytest.raises(TypeError, match="sets tensor_parallel_size itself"):
+        DisaggregatedLLM(directory, **TINY, tensor_parallel_size=2)
+    assert not multiprocessing.active_children()

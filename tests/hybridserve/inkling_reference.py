@@ -1,6 +1,6 @@
 """A plain-numpy (float64) reference of the Inkling model, written from the docstrings of
 `models.hybrid`, `layers.sconv`, `layers.attention`, `layers.moe`, `layers.norm`,
-`layers.multimodal` and `layer_configs`; it calls no model code. `params` is
+`layers.multimodal` and `config.layers`; it calls no model code. `params` is
 `nnx.to_pure_dict(nnx.state(model))`.
 
 Per block (r the residual multiplier; sc_* the short convs of `width` taps):

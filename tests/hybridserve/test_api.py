@@ -100,3 +100,26 @@ def test_bfloat16_generates(hf_checkpoint):
     llm = LLM(hf_checkpoint("nemotron_h")[0], dtype="bfloat16", max_model_len=64)
     out = llm.generate(_prompts()[0], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12
+
+
+def test_prefix_unit_reaches_the_scheduler(hf_checkpoint, llm):
+    """`LLM(prefix_unit=...)` sets the prefix cache's granularity: a repeated prompt hits on
+    whole units of it; a unit that does not divide the block size is refused."""
+    directory = hf_checkpoint("nemotron_h")[0]
+    plan = llm.engine.runner.plan
+    auto = llm.engine.scheduler.prefix_unit
+    unit = plan.kernel_block_size
+    assert unit != auto and plan.block_size % unit == 0
+    kw = {**TINY, "max_num_seqs": 2, "max_prefill_chunk": 8, "cache": pool_of(directory)}
+    small = LLM(directory, **kw, prefix_unit=unit)
+    assert small.engine.scheduler.prefix_unit == unit
+    assert small.engine.config.scheduler.prefix_unit == unit
+    prompt = {"prompt_token_ids": list(range(3, 3 + unit + unit // 2))}
+    assert auto > len(prompt["prompt_token_ids"])  # the default unit would share nothing
+    first = small.generate(prompt, GREEDY, use_tqdm=False)
+    again = small.generate(prompt, GREEDY, use_tqdm=False)
+    assert _tokens(again) == _tokens(first)
+    hits = small.stats()["prefix_cache_hit_tokens"]
+    assert hits > 0 and hits % unit == 0
+    with pytest.raises(ValueError, match=f"prefix_unit = {unit + 1} must be > 0 and divide"):
+        LLM(directory, **kw, prefix_unit=unit + 1)

@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf on the three families' config.json files, and its errors."""
+"""parse_hf_config on the three families' config.json files, and its errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hybridserve.config import ConfigError, ModelConfig
+from hybridserve.config import ConfigError, ModelConfig, parse_hf_config
 
 
 def _saved(hf_checkpoint, family: str) -> dict:
@@ -24,19 +24,19 @@ def test_nemotron_h_list_and_legacy_pattern_agree(hf_checkpoint, tmp_path):
     raw = _saved(hf_checkpoint, "nemotron_h")
     assert isinstance(raw["layers_block_type"], list)
     assert raw["time_step_limit"][1] == {"__float__": "Infinity"}  # as transformers writes it
-    from_list = ModelConfig.from_hf(hf_checkpoint("nemotron_h")[0])
+    from_list = parse_hf_config(hf_checkpoint("nemotron_h")[0])
     assert from_list.pattern == "M-M*EM*E"
     assert math.isinf(from_list.mamba.dt_max) and from_list.mamba.dt_min == 0.0
     legacy = dict(raw, hybrid_override_pattern="M-M*EM*E", num_hidden_layers=8)
     del legacy["layers_block_type"]
-    assert ModelConfig.from_hf(_write(tmp_path, legacy)) == from_list
+    assert parse_hf_config(_write(tmp_path, legacy)) == from_list
 
 
 def test_bamba_and_granite_fields(hf_checkpoint):
-    bamba = ModelConfig.from_hf(hf_checkpoint("bamba")[0])
+    bamba = parse_hf_config(hf_checkpoint("bamba")[0])
     assert bamba.pattern == "MM*MM*" and bamba.ffn == "mlp" and bamba.mlp.gated
     assert bamba.attention.rotary_dim == bamba.attention.head_dim // 2
-    granite = ModelConfig.from_hf(hf_checkpoint("granitemoehybrid")[0])
+    granite = parse_hf_config(hf_checkpoint("granitemoehybrid")[0])
     assert granite.ffn == "moe" and granite.moe.router == "softmax_topk"
     assert (granite.embedding_multiplier, granite.residual_multiplier) == (2.0, 0.5)
     assert granite.attention.softmax_scale == 0.125 and granite.logits_scaling == 4.0
@@ -44,7 +44,7 @@ def test_bamba_and_granite_fields(hf_checkpoint):
 
 def test_round_trip_through_our_json(hf_checkpoint):
     for family in ("nemotron_h_latent", "granitemoehybrid_rope"):
-        cfg = ModelConfig.from_hf(hf_checkpoint(family)[0])
+        cfg = parse_hf_config(hf_checkpoint(family)[0])
         assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
@@ -63,7 +63,7 @@ def test_bad_configs_name_the_field(hf_checkpoint, tmp_path, edit, message):
     raw = _saved(hf_checkpoint, "nemotron_h")
     edit(raw)
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(_write(tmp_path, raw))
+        parse_hf_config(_write(tmp_path, raw))
 
 
 def test_legacy_pattern_length_mismatch(hf_checkpoint, tmp_path):
@@ -71,9 +71,9 @@ def test_legacy_pattern_length_mismatch(hf_checkpoint, tmp_path):
     del raw["layers_block_type"]
     raw.update(hybrid_override_pattern="M*", num_hidden_layers=3)
     with pytest.raises(ConfigError, match="num_hidden_layers"):
-        ModelConfig.from_hf(_write(tmp_path, raw))
+        parse_hf_config(_write(tmp_path, raw))
 
 
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
-        ModelConfig.from_hf(tmp_path)
+        parse_hf_config(tmp_path)

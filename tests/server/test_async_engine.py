@@ -8,7 +8,8 @@ import pytest
 from server_harness import OFFLINE, wait_until
 
 from hybridserve import SamplingParams
-from hybridserve.engine import EngineConfig, LLMEngine
+from hybridserve.config import EngineConfig
+from hybridserve.engine import LLMEngine
 from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.async_engine import (
     AsyncEngine,
@@ -23,7 +24,7 @@ LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), **OFFLINE), progress=False)
+    return LLMEngine(EngineConfig.from_kwargs(DEFAULT_MODEL, **OFFLINE), progress=False)
 
 
 def _pages_used(engine: LLMEngine) -> int:

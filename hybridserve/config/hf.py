@@ -1,5 +1,5 @@
 """Hugging Face `config.json` -> `ModelConfig`, for nemotron_h, bamba and granitemoehybrid, and
-our own Inkling layout (model_type "inkling", parsed in `hybridserve.inkling_config`).
+our own Inkling layout (model_type "inkling", parsed in `hybridserve.config.inkling`).
 
 Accepts both forms of the Nemotron-H layer layout (the `layers_block_type` list and the legacy
 `hybrid_override_pattern` string), legacy field aliases, and the `{"__float__": "Infinity"}`
@@ -9,106 +9,19 @@ encoding transformers writes for infinite floats. A missing or inconsistent fiel
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from hybridserve.config import (
-    AttentionConfig,
-    ConfigError,
-    MambaConfig,
-    MlpConfig,
-    ModelConfig,
-    MoeConfig,
-)
-
-_KIND_NAMES = {
-    "M": "mamba",
-    "mamba": "mamba",
-    "linear_attention": "mamba",
-    "*": "attention",
-    "attention": "attention",
-    "full_attention": "attention",
-    "-": "mlp",
-    "mlp": "mlp",
-    "E": "moe",
-    "moe": "moe",
-}
-_ACTIVATIONS = {"relu2": "relu2", "silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu"}
-
-
-def _decode_floats(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {"__float__"}:
-            return float(obj["__float__"])  # "Infinity", "-Infinity", "NaN"
-        return {k: _decode_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode_floats(v) for v in obj]
-    return obj
-
-
-def load_hf_json(path: str | Path) -> dict[str, Any]:
-    """Read `config.json` (given the file or its directory), decoding `{"__float__": ...}`."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"no config.json at {path}")
-    try:
-        return _decode_floats(json.loads(path.read_text()))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path} is not valid JSON: {err}") from err
-
-
-class _Fields:
-    """Field access that names the missing field, the model type and the file."""
-
-    def __init__(self, raw: dict[str, Any], where: str) -> None:
-        self.raw, self.where = raw, where
-
-    def get(self, *names: str, default: Any = ...) -> Any:
-        for name in names:
-            if name in self.raw and self.raw[name] is not None:
-                return self.raw[name]
-        if default is ...:
-            raise ConfigError(f"{self.where}: missing field {names[0]!r}")
-        return default
-
-    def kinds(self, name: str, values: list[str]) -> tuple[str, ...]:
-        try:
-            return tuple(_KIND_NAMES[v] for v in values)
-        except KeyError as err:
-            raise ConfigError(
-                f"{self.where}: field {name!r} has unknown layer kind {err}"
-            ) from None
-
-    def activation(self, *names: str, default: str) -> str:
-        act = self.get(*names, default=default)
-        if act not in _ACTIVATIONS:
-            raise ConfigError(f"{self.where}: field {names[0]!r} = {act!r} is not supported")
-        return _ACTIVATIONS[act]
-
-
-def _common(f: _Fields, model_type: str, eps_field: str) -> dict[str, Any]:
-    eos = f.get("eos_token_id", default=None)
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    return dict(
-        architecture=model_type,
-        vocab_size=int(f.get("vocab_size")),
-        hidden_size=int(f.get("hidden_size")),
-        norm_eps=float(f.get(eps_field)),
-        tie_word_embeddings=bool(f.get("tie_word_embeddings", default=False)),
-        max_position_embeddings=int(f.get("max_position_embeddings", default=4096)),
-        bos_token_id=f.get("bos_token_id", default=None),
-        eos_token_ids=eos_ids,
-        pad_token_id=f.get("pad_token_id", default=None),
-        dtype=str(f.get("dtype", "torch_dtype", default="float32")),
-    )
+from hybridserve.config.errors import ConfigError
+from hybridserve.config.fields import Fields, common_fields, load_hf_json
+from hybridserve.config.inkling import parse_inkling
+from hybridserve.config.layers import AttentionConfig, MambaConfig, MlpConfig, MoeConfig
+from hybridserve.config.model import ModelConfig
 
 
 def _mamba(
-    f: _Fields,
+    f: Fields,
     num_heads: str,
     head_dim: int,
     state: str,
@@ -135,7 +48,7 @@ def _mamba(
     )
 
 
-def _rope(f: _Fields, head_dim: int, partial: float) -> tuple[float, int]:
+def _rope(f: Fields, head_dim: int, partial: float) -> tuple[float, int]:
     params = f.get("rope_parameters", default=None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -147,7 +60,7 @@ def _rope(f: _Fields, head_dim: int, partial: float) -> tuple[float, int]:
     return float(theta), int(head_dim * partial)
 
 
-def _attention(f: _Fields, **extra: Any) -> AttentionConfig:
+def _attention(f: Fields, **extra: Any) -> AttentionConfig:
     heads = int(f.get("num_attention_heads"))
     hidden = int(f.get("hidden_size"))
     head_dim = int(f.get("head_dim", default=hidden // heads))
@@ -159,7 +72,7 @@ def _attention(f: _Fields, **extra: Any) -> AttentionConfig:
     )
 
 
-def _nemotron_h(f: _Fields) -> ModelConfig:
+def _nemotron_h(f: Fields) -> ModelConfig:
     if "layers_block_type" in f.raw or "layer_types" in f.raw:
         name = "layers_block_type" if "layers_block_type" in f.raw else "layer_types"
         kinds = f.kinds(name, list(f.get(name)))
@@ -216,11 +129,11 @@ def _nemotron_h(f: _Fields) -> ModelConfig:
         mamba=mamba,
         mlp=mlp,
         moe=moe,
-        **_common(f, "nemotron_h", "layer_norm_epsilon"),
+        **common_fields(f, "nemotron_h", "layer_norm_epsilon"),
     )
 
 
-def _granite_family_mamba(f: _Fields) -> MambaConfig:
+def _granite_family_mamba(f: Fields) -> MambaConfig:
     heads = int(f.get("mamba_n_heads"))
     head_dim = f.get("mamba_d_head", default="auto")
     if head_dim == "auto":
@@ -238,7 +151,7 @@ def _granite_family_mamba(f: _Fields) -> MambaConfig:
     )
 
 
-def _bamba(f: _Fields) -> ModelConfig:
+def _bamba(f: Fields) -> ModelConfig:
     n_layers = int(f.get("num_hidden_layers"))
     attn_idx = set(f.get("attn_layer_indices", default=[]))
     if any(not 0 <= i < n_layers for i in attn_idx):
@@ -271,11 +184,11 @@ def _bamba(f: _Fields) -> ModelConfig:
         attention=attention,
         mamba=mamba,
         mlp=mlp,
-        **_common(f, "bamba", "rms_norm_eps"),
+        **common_fields(f, "bamba", "rms_norm_eps"),
     )
 
 
-def _granitemoehybrid(f: _Fields) -> ModelConfig:
+def _granitemoehybrid(f: Fields) -> ModelConfig:
     name = "layer_types" if "layer_types" in f.raw else "layers_block_type"
     kinds = f.kinds(name, list(f.get(name)))
     bad = sorted(set(kinds) - {"mamba", "attention"})
@@ -326,21 +239,15 @@ def _granitemoehybrid(f: _Fields) -> ModelConfig:
         embedding_multiplier=float(f.get("embedding_multiplier", default=1.0)),
         residual_multiplier=float(f.get("residual_multiplier", default=1.0)),
         logits_scaling=float(f.get("logits_scaling", default=1.0)),
-        **_common(f, "granitemoehybrid", "rms_norm_eps"),
+        **common_fields(f, "granitemoehybrid", "rms_norm_eps"),
     )
-
-
-def _inkling(f: _Fields) -> ModelConfig:
-    from hybridserve.inkling_config import parse_inkling  # imports this module
-
-    return parse_inkling(f)
 
 
 PARSERS = {
     "nemotron_h": _nemotron_h,
     "bamba": _bamba,
     "granitemoehybrid": _granitemoehybrid,
-    "inkling": _inkling,
+    "inkling": parse_inkling,
 }
 
 
@@ -352,4 +259,4 @@ def parse_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(
             f"{path}: unsupported model_type {model_type!r}; supported: {sorted(PARSERS)}"
         )
-    return PARSERS[model_type](_Fields(raw, f"{path} ({model_type})"))
+    return PARSERS[model_type](Fields(raw, f"{path} ({model_type})"))

@@ -6,18 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hybridserve.config.errors import require
+
 LAYER_KINDS = ("mamba", "attention", "sliding_attention", "mlp", "moe")
 ACTIVATIONS = ("relu2", "silu", "gelu", "relu")
 ROUTERS = ("sigmoid_group", "softmax_topk", "softmax_sink")
-
-
-class ConfigError(ValueError):
-    """A configuration is missing a field, has an inconsistent one, or is of an unknown kind."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +29,13 @@ class MambaConfig:
     dt_max: float = math.inf
 
     def __post_init__(self) -> None:
-        _require(self.num_heads > 0 and self.head_dim > 0, "mamba num_heads/head_dim must be > 0")
-        _require(
+        require(self.num_heads > 0 and self.head_dim > 0, "mamba num_heads/head_dim must be > 0")
+        require(
             self.num_heads % self.n_groups == 0,
             f"mamba num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})",
         )
-        _require(self.conv_kernel >= 1, f"mamba conv_kernel must be >= 1, got {self.conv_kernel}")
-        _require(self.chunk_size >= 1, f"mamba chunk_size must be >= 1, got {self.chunk_size}")
+        require(self.conv_kernel >= 1, f"mamba conv_kernel must be >= 1, got {self.conv_kernel}")
+        require(self.chunk_size >= 1, f"mamba chunk_size must be >= 1, got {self.chunk_size}")
 
     @property
     def intermediate_size(self) -> int:
@@ -78,21 +71,21 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         if self.rel_dim is not None:
-            _require(self.rel_dim > 0, f"rel_dim must be > 0, got {self.rel_dim}")
-            _require(
+            require(self.rel_dim > 0, f"rel_dim must be > 0, got {self.rel_dim}")
+            require(
                 0 < self.rel_exact <= self.rel_buckets
                 and (self.rel_exact == self.rel_buckets or self.rel_max_distance > self.rel_exact),
                 f"relative buckets: need 0 < rel_exact ({self.rel_exact}) <= rel_buckets "
                 f"({self.rel_buckets}) and rel_max_distance ({self.rel_max_distance}) > rel_exact",
             )
-        _require(
+        require(
             self.num_heads % self.num_kv_heads == 0,
             f"num_attention_heads ({self.num_heads}) must be a multiple of "
             f"num_key_value_heads ({self.num_kv_heads})",
         )
         if self.rope_theta is not None:
             rd = self.rotary_dim
-            _require(
+            require(
                 rd is not None and 0 < rd <= self.head_dim and rd % 2 == 0,
                 f"rotary_dim ({rd}) must be even and in (0, head_dim={self.head_dim}]",
             )
@@ -112,7 +105,7 @@ class MlpConfig:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.activation in ACTIVATIONS, f"unknown MLP activation {self.activation!r}")
+        require(self.activation in ACTIVATIONS, f"unknown MLP activation {self.activation!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,39 +138,39 @@ class MoeConfig:
     expert_format: str = "dense"  # or "nvfp4": routed experts in 4 bits (backends.nvfp4)
 
     def __post_init__(self) -> None:
-        _require(self.router in ROUTERS, f"unknown MoE router {self.router!r}")
-        _require(
+        require(self.router in ROUTERS, f"unknown MoE router {self.router!r}")
+        require(
             self.expert_format in ("dense", "nvfp4"),
             f"expert_format must be 'dense' or 'nvfp4', got {self.expert_format!r}",
         )
         if self.expert_format == "nvfp4":
-            _require(
+            require(
                 self.intermediate_size % 32 == 0 and (self.latent_size or 32) % 32 == 0,
                 "nvfp4 experts need intermediate_size and latent_size to be multiples of 32 "
                 "(without a latent projection, the hidden size is checked when quantising)",
             )
         if self.router == "softmax_sink":
-            _require(
+            require(
                 self.num_shared_experts >= 1 and self.shared_intermediate_size > 0,
                 "the expert sink needs shared experts (num_shared_experts >= 1 and "
                 "shared_intermediate_size > 0)",
             )
         else:
-            _require(
+            require(
                 self.num_shared_experts == 1,
                 f"router {self.router!r} has at most one shared expert (num_shared_experts=1)",
             )
-        _require(self.activation in ACTIVATIONS, f"unknown MoE activation {self.activation!r}")
-        _require(
+        require(self.activation in ACTIVATIONS, f"unknown MoE activation {self.activation!r}")
+        require(
             0 < self.top_k <= self.num_experts,
             f"num_experts_per_tok ({self.top_k}) must be in [1, n_routed_experts="
             f"{self.num_experts}]",
         )
-        _require(
+        require(
             self.num_experts % self.n_group == 0,
             f"n_routed_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})",
         )
-        _require(
+        require(
             0 < self.topk_group <= self.n_group,
             f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]",
         )
@@ -196,7 +189,7 @@ class SconvConfig:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.width >= 2, f"sconv width must be >= 2, got {self.width}")
+        require(self.width >= 2, f"sconv width must be >= 2, got {self.width}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +205,7 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(self.widths))
-        _require(self.sub_patch > 0 and len(self.widths) >= 1, "vision: sub_patch, widths")
+        require(self.sub_patch > 0 and len(self.widths) >= 1, "vision: sub_patch, widths")
 
     @property
     def patch(self) -> int:
@@ -236,8 +229,8 @@ class AudioConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mel_range", tuple(self.mel_range))
         lo, hi = self.mel_range
-        _require(hi > lo and self.mel_bins > 0, "audio: mel_range must grow, mel_bins > 0")
-        _require(self.hop > 0 and self.n_fft > 0, "audio: n_fft and hop must be > 0")
+        require(hi > lo and self.mel_bins > 0, "audio: mel_range must grow, mel_bins > 0")
+        require(self.hop > 0 and self.n_fft > 0, "audio: n_fft and hop must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,4 +242,4 @@ class MtpConfig:
     num_heads: int = 8
 
     def __post_init__(self) -> None:
-        _require(self.num_heads >= 1, f"mtp num_heads must be >= 1, got {self.num_heads}")
+        require(self.num_heads >= 1, f"mtp num_heads must be >= 1, got {self.num_heads}")

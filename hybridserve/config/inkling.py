@@ -1,8 +1,8 @@
 """The Inkling checkpoint's `config.json` (model_type "inkling") <-> `ModelConfig`.
 
-`parse_inkling` is registered in `hf_config.PARSERS`; `inkling_config_json` writes the inverse
-and refuses a `ModelConfig` the layout cannot express (it checks that parsing what it wrote
-gives the config back). The fields are documented in docs/inkling_checkpoint.md.
+`parse_inkling` is registered in `hybridserve.config.hf.PARSERS`; `inkling_config_json` writes
+the inverse and refuses a `ModelConfig` the layout cannot express (it checks that parsing what
+it wrote gives the config back). The fields are documented in docs/inkling_checkpoint.md.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import dataclasses
 import json
 from typing import Any
 
-from hybridserve.config import (
+from hybridserve.config.errors import ConfigError
+from hybridserve.config.fields import Fields, common_fields
+from hybridserve.config.layers import (
     AttentionConfig,
     AudioConfig,
-    ConfigError,
-    ModelConfig,
     MoeConfig,
     MtpConfig,
     SconvConfig,
     VisionConfig,
 )
-from hybridserve.hf_config import _common, _Fields
+from hybridserve.config.model import ModelConfig
 
 # The newest layout this build reads and writes; readers refuse newer ones. Bump it when tensors
 # are added. 1: the base model and encoders; 2: + the MTP heads (`num_nextn_predict_layers`).
@@ -35,7 +35,7 @@ _KINDS = {
 _HF_KINDS = {"attention": "full_attention", "sliding_attention": "sliding_attention"}
 
 
-def _layer_types(f: _Fields) -> tuple[str, ...]:
+def _layer_types(f: Fields) -> tuple[str, ...]:
     values = list(f.get("layer_types"))
     bad = sorted({v for v in values if v not in _KINDS})
     if bad:
@@ -52,7 +52,7 @@ def _layer_types(f: _Fields) -> tuple[str, ...]:
     return tuple(_KINDS[v] for v in values)
 
 
-def _attention(f: _Fields, sliding: bool) -> AttentionConfig:
+def _attention(f: Fields, sliding: bool) -> AttentionConfig:
     heads, hidden = int(f.get("num_attention_heads")), int(f.get("hidden_size"))
     head_dim = int(f.get("head_dim", default=hidden // heads))
     theta = f.get("rope_theta", default=None)  # null: NoPE
@@ -75,7 +75,7 @@ def _attention(f: _Fields, sliding: bool) -> AttentionConfig:
     )
 
 
-def _moe(f: _Fields) -> MoeConfig:
+def _moe(f: Fields) -> MoeConfig:
     return MoeConfig(
         num_experts=int(f.get("n_routed_experts")),
         top_k=int(f.get("num_experts_per_tok")),
@@ -89,16 +89,16 @@ def _moe(f: _Fields) -> MoeConfig:
     )
 
 
-def _sub(f: _Fields, name: str) -> _Fields | None:
+def _sub(f: Fields, name: str) -> Fields | None:
     raw = f.get(name, default=None)
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ConfigError(f"{f.where}: field {name!r} must be an object")
-    return _Fields(raw, f"{f.where} {name}")
+    return Fields(raw, f"{f.where} {name}")
 
 
-def _vision(f: _Fields) -> VisionConfig | None:
+def _vision(f: Fields) -> VisionConfig | None:
     v = _sub(f, "vision_config")
     if v is None:
         return None
@@ -110,7 +110,7 @@ def _vision(f: _Fields) -> VisionConfig | None:
     )
 
 
-def _audio(f: _Fields) -> AudioConfig | None:
+def _audio(f: Fields) -> AudioConfig | None:
     a = _sub(f, "audio_config")
     if a is None:
         return None
@@ -126,15 +126,15 @@ def _audio(f: _Fields) -> AudioConfig | None:
     )
 
 
-def _mtp(f: _Fields) -> MtpConfig | None:
+def _mtp(f: Fields) -> MtpConfig | None:
     n = int(f.get("num_nextn_predict_layers", default=0))
     if n < 0:
         raise ConfigError(f"{f.where}: field 'num_nextn_predict_layers' = {n} must be >= 0")
     return MtpConfig(num_heads=n) if n else None
 
 
-def parse_inkling(f: _Fields) -> ModelConfig:
-    """An Inkling `config.json` (as `_Fields`) -> `ModelConfig`; errors name the field."""
+def parse_inkling(f: Fields) -> ModelConfig:
+    """An Inkling `config.json` (as `Fields`) -> `ModelConfig`; errors name the field."""
     version = int(f.get("layout_version", default=1))
     if version > LAYOUT_VERSION:
         raise ConfigError(
@@ -157,7 +157,7 @@ def parse_inkling(f: _Fields) -> ModelConfig:
         embedding_multiplier=float(f.get("embedding_multiplier", default=1.0)),
         residual_multiplier=float(f.get("residual_multiplier", default=1.0)),
         logits_scaling=float(f.get("logits_scaling", default=1.0)),
-        **_common(f, "inkling", "rms_norm_eps"),
+        **common_fields(f, "inkling", "rms_norm_eps"),
     )
 
 
@@ -247,7 +247,7 @@ def inkling_config_json(cfg: ModelConfig) -> dict[str, Any]:
         **_encoders(cfg),
     }
     try:
-        back = parse_inkling(_Fields(json.loads(json.dumps(raw)), "inkling export"))
+        back = parse_inkling(Fields(json.loads(json.dumps(raw)), "inkling export"))
     except ConfigError as err:
         raise ConfigError(f"the Inkling layout cannot store this config: {err}") from None
     if back != cfg:

@@ -1,4 +1,5 @@
-"""Inkling model configs built from the dataclasses (no files), and their parameter counts.
+"""Inkling model presets: configs built from the dataclasses (no files), and their parameter
+counts.
 
 `inkling_full()`: 66 layers (every 6th, layers 5, 11, ..., 65, full attention; the other 55
 sliding-window attention over 4096 tokens), hidden 7168, vocab 163840, GQA 64 query / 8 KV
@@ -19,13 +20,9 @@ the rest sliding over 1024 tokens), hidden 2048, vocab 163840, GQA 16 query / 4 
 
 from __future__ import annotations
 
-from hybridserve.config import (
-    AttentionConfig,
-    ConfigError,
-    ModelConfig,
-    MoeConfig,
-    SconvConfig,
-)
+from hybridserve.config.errors import ConfigError
+from hybridserve.config.layers import AttentionConfig, MoeConfig, SconvConfig
+from hybridserve.config.model import ModelConfig
 
 
 def layer_pattern(num_layers: int, every: int = 6) -> tuple[str, ...]:
