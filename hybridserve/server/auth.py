@@ -9,19 +9,12 @@ route runs, so an unauthenticated request body is never read or parsed.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Callable, Collection
 from typing import Any
 
 from hybridserve.server.errors import APIError
 
-API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
-
-
-def api_key_from_env() -> str | None:
-    """The key in HYBRIDSERVE_API_KEY, or None when unset or empty."""
-    return os.environ.get(API_KEY_ENV) or None
 
 
 def bearer_header(key: str | None) -> dict[str, str]:
