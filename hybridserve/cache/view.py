@@ -287,9 +287,13 @@ def write_mamba(
     # one scatter of whole page rows for all requests, on the region in its own shape: XLA
     # updates the donated buffer in place (through a reshaped view it copies the whole region
     # first, every step, and bytes a P/D transfer writes meanwhile are lost). Padding rows
-    # all write the null page, whose content is never read.
+    # (the null page, 0: no request's state) go to distinct rows past the end and are
+    # dropped, so every index is unique and the scatter says so (XLA's GPU scatter then
+    # stores plainly instead of a compare-and-swap per element).
     rows = raw.reshape(tp, -1, page_rows, width)
-    return region.at[:, _page_rows(pages, page_rows)].set(rows, mode=IN_BOUNDS)
+    beyond = region.shape[1] + _page_rows(jnp.arange(pages.shape[0], dtype=pages.dtype), page_rows)
+    dst = jnp.where((pages > 0)[:, None], _page_rows(pages, page_rows), beyond)
+    return region.at[:, dst].set(rows, mode="drop", unique_indices=True)
 
 
 def _page_rows(pages: jax.Array, page_rows: int) -> jax.Array:
