@@ -82,12 +82,6 @@ def _gather_rows(
     rows = np.zeros(bucket(len(order)), np.int32)
     rows[: len(order)] = [offsets[got[r][0]] + got[r][1] for r in order]
     rows[len(order) :] = rows[0]
-    if (
-        len(sources) == 1
-        and len(rows) == sources[0].shape[0]
-        and (rows == np.arange(len(rows))).all()
-    ):
-        return sources[0]  # every row of one program, in order: no gather program to run
     return _take_rows(sources, jnp.asarray(rows))
 
 
@@ -176,10 +170,7 @@ class ModelRunner:
             idx = first[:, None] + jnp.arange(n_logits)[None, :]
             idx = jnp.clip(idx, 0, hidden.shape[1] - 1)
             picked = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [B, n, D]
-        logits = model.logits(picked)
-        if n_logits == 1:  # [B, V]: squeezed here, not by an eager op after the step
-            logits = logits[:, 0]
-        return (logits, hidden if keep_hidden else None), regions
+        return (model.logits(picked), hidden if keep_hidden else None), regions
 
     def _mtp_forward(
         self,
@@ -225,8 +216,8 @@ class ModelRunner:
         self, batch: BatchArrays, n_logits: int | None = 1, keep_hidden: bool = False
     ) -> tuple[jax.Array, jax.Array | None]:
         """One forward call. Returns logits [B, n_logits, V] of each (padded) row's last token
-        before its drafts and of its drafts ([B, V] for `n_logits=1`; `n_logits=None`: every
-        position, [B, T, V]), and with `keep_hidden` the final hidden states [B, T, D]."""
+        before its drafts and of its drafts (`n_logits=None`: every position, [B, T, V]), and
+        with `keep_hidden` the final hidden states [B, T, D]."""
         mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
         drafts = np.zeros(batch.tokens.shape[0], np.int32)
         if batch.num_drafts is not None:
@@ -329,6 +320,8 @@ class ModelRunner:
                 continue
             batch = build_batch(chunks, self.plan, self.max_model_len, min_tokens)
             logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden)
+            if n_logits == 1:
+                logits = logits[:, 0]
             if keep_hidden:
                 passes.append(StepPass(chunks, batch, hidden))
             for i, c in enumerate(chunks):
