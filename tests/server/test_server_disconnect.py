@@ -84,7 +84,9 @@ async def _load(url: str, num_requests: int, concurrency: int, leave: float) -> 
     rng = random.Random(0)
     plan = [rng.random() < leave for _ in range(num_requests)]
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency)
+    # idle pooled connections expire well before the server's 5 s keep-alive closes them: a
+    # request sent on a connection the server is closing gets ReadError (seen on a loaded host)
+    limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
 
         async def one(i: int) -> dict:
