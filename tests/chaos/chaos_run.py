@@ -134,9 +134,33 @@ class ChaosRun:
         self.report.results.append(result)
         return body, result
 
+    async def _warm_local_prefill(self, client: httpx.AsyncClient) -> None:
+        """Compile the decode instance's local prefill programs (1, 2 and 4 rows of a short
+        prompt) before the load: a transfer that fails is recomputed there, and the first
+        recompute of each shape would otherwise compile on the engine thread in the middle of
+        a fault window (once 6.6 s on a loaded 2-core CI host, which no request of the stall
+        window could outlast). A request that fails here is a harness note."""
+        url = self.dep.decode.fixed_url + "/v1/completions"
+        for n in (1, 2, 4):
+            probes = [Outcome(-1, "setup", False) for _ in range(n)]
+            bodies = [
+                {"prompt": _prompt(random.Random(i), 30_000 + i), "max_tokens": 2}
+                | {"temperature": 0, "ignore_eos": True}
+                for i in range(n)
+            ]
+            timeout = self.plan.request_timeout_s
+            await asyncio.gather(
+                *(send(client, url, b, r, timeout) for b, r in zip(bodies, probes, strict=True))
+            )
+            self.report.notes += [
+                f"a warm-up request failed: {r.detail}" for r in probes if r.outcome != "ok"
+            ]
+
     async def _prepare(self, client: httpx.AsyncClient) -> None:
-        """Before the load: the prefill legs of the expired-lease requests, and real transfer
-        parameters of the stall prompt (whose side channel the stall fault replaces)."""
+        """Before the load: the decode instance's local prefill programs compiled, the prefill
+        legs of the expired-lease requests, and real transfer parameters of the stall prompt
+        (whose side channel the stall fault replaces)."""
+        await self._warm_local_prefill(client)
         self._expired_legs = []
         for i in range(self.plan.expired):
             body, result = self._direct(10_000 + i, "expired", False)
