@@ -13,8 +13,10 @@ Lifecycle of one producer entry (all calls on the engine thread):
   2. When the handshake is done, the engine thread loads the peer's metadata into NIXL and
      prepares the descriptor lists (`peers.plan_peer`). The same epoch as a stale entry reuses
      it; a new epoch replaces the entry, and the old agent is retired.
-  3. A failed handshake raises HandshakeError from `lookup` (the requests waiting on it fail
-     or recompute) and is counted in `failures`; the next lookup tries again.
+  3. A failed handshake raises HandshakeError from `lookup` for every request that waited on
+     it (they fail or recompute together, instead of each later one starting a handshake of
+     its own and waiting out another deadline) and is counted once in `failures`; a request
+     that arrives after the failure tries again.
   4. `collect(in_use)` drops retired agents that no transfer uses any more: their prepared
      lists are released and NIXL forgets them. `close()` stops the pool.
 """
@@ -26,7 +28,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from hybridserve.disagg.descriptors import RankLayout, check_compatible
 from hybridserve.disagg.handshake import HandshakeError, fetch_peer
@@ -41,6 +43,20 @@ Key = tuple[str, int]
 class _Pending:
     future: concurrent.futures.Future
     deadline: float
+    # the parameters looked up meanwhile, by id() (the object is kept, so its id stays its own)
+    waiters: dict[int, TransferParams] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Failed:
+    """A handshake that failed, and the parameters that waited on it and have not heard yet."""
+
+    error: HandshakeError
+    waiters: dict[int, TransferParams]
+
+    def take(self, params: TransferParams) -> bool:
+        """Whether `params` waited on this handshake (once: it is forgotten here)."""
+        return self.waiters.pop(id(params), None) is params
 
 
 class PeerDirectory:
@@ -62,6 +78,7 @@ class PeerDirectory:
         self.secret = secret
         self.peers: dict[Key, Peer] = {}
         self.pending: dict[Key, _Pending] = {}
+        self.failed: dict[Key, _Failed] = {}  # the last failure per producer, until heard
         self.retired: list[Peer] = []
         self.failures = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="handshake")
@@ -84,34 +101,51 @@ class PeerDirectory:
         if peer is not None:
             return peer
         key = params.peer
+        failed = self.failed.get(key)
+        if failed is not None and failed.take(params):
+            if not failed.waiters:
+                del self.failed[key]
+            raise HandshakeError(str(failed.error))
         pending = self.pending.get(key)
         if pending is None:
             future = self._pool.submit(
                 fetch_peer, key[0], key[1], self.request(), self.timeout_s, self.secret
             )
-            self.pending[key] = _Pending(future, time.monotonic() + self.timeout_s)
+            deadline = time.monotonic() + self.timeout_s
+            self.pending[key] = _Pending(future, deadline, {id(params): params})
             return None
         if not pending.future.done():
             if time.monotonic() <= pending.deadline:
+                pending.waiters[id(params)] = params
                 return None
             pending.future.cancel()
-            del self.pending[key]
-            self.failures += 1
-            raise HandshakeError(f"handshake with {key[0]}:{key[1]} timed out")
+            timed_out = HandshakeError(f"handshake with {key[0]}:{key[1]} timed out")
+            self._fail(key, pending, params, timed_out)
         del self.pending[key]
         try:
             peer = self._join(key, pending.future.result())
         except Exception as err:
-            self.failures += 1
-            if isinstance(err, HandshakeError):
-                raise
-            raise HandshakeError(f"handshake with {key[0]}:{key[1]} failed: {err}") from err
+            if not isinstance(err, HandshakeError):
+                err = HandshakeError(f"handshake with {key[0]}:{key[1]} failed: {err}")
+            self._fail(key, pending, params, err)
+        self.failed.pop(key, None)
         if peer.epoch != params.epoch:
             raise HandshakeError(
                 f"the prefill engine at {key[0]}:{key[1]} restarted since these transfer "
                 "parameters were made (its pages are gone)"
             )
         return peer
+
+    def _fail(
+        self, key: Key, pending: _Pending, params: TransferParams, error: HandshakeError
+    ) -> NoReturn:
+        """End a failed handshake: raises `error` for `params`; the other requests that waited
+        on it hear the same at their next lookup."""
+        self.pending.pop(key, None)
+        self.failures += 1
+        pending.waiters.pop(id(params), None)
+        self.failed[key] = _Failed(error, pending.waiters)
+        raise error
 
     def _join(self, key: Key, info: dict[str, Any]) -> Peer:
         """Load a producer's handshake reply (engine thread)."""
