@@ -26,8 +26,10 @@ One run, one device:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
+import pstats
 import sys
 import tempfile
 import time
@@ -115,9 +117,14 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
     runner.run = lambda batch, *a, **k: (captured.append(batch), run(batch, *a, **k))[1]
     engine_s = time_calls(lambda: (engine.step(), jnp.zeros(()))[1], args.steps)
     runner.run = run
+    if args.profile_engine:  # where the host time of a step goes
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [engine.step() for _ in range(args.steps)])
+        print(f"engine steps at batch {b}, host profile over {args.steps} steps:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     batch = captured[-1]
     forward_s = time_calls(lambda: runner.run(batch)[0], args.steps)
-    if args.trace and b == args.batch[0]:  # a profile of a few forward calls
+    if args.trace:  # a profile of a few forward calls
         with jax.profiler.trace(str(args.trace / f"b{b}"), create_perfetto_trace=True):
             jax.block_until_ready([runner.run(batch)[0] for _ in range(5)])
     matmul_s = time_calls(matmul_program(runner.params, b), args.steps)
@@ -153,7 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--backend", default="xla", help="op backend (default xla)")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write the results here")
-    add("--trace", type=Path, help="profile 5 forward calls of the first batch into this dir")
+    add("--trace", type=Path, help="profile 5 forward calls of each batch into DIR/b<batch>")
+    add("--profile-engine", action="store_true", help="cProfile the engine steps")
     args = parser.parse_args(argv)
     if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
         parser.error("--batch, --context and --steps must be >= 1")
