@@ -89,7 +89,7 @@ def _side(name: str, gpu: int | None, num_pages: int, fill: int, threads: int = 
     regions, keep = _regions(num_pages, plan.page_size_bytes, plan.num_regions, _device(gpu), fill)
     dev = gpu or 0
     mem = "VRAM" if gpu is not None else "DRAM"
-    transport = NixlTransport(name, [(_addr(r), r.size, dev) for r in regions], mem, threads)
+    transport = NixlTransport(name, [(_addr(r), r.nbytes, dev) for r in regions], mem, threads)
     layout = RankLayout.from_plan(
         plan,
         cfg,

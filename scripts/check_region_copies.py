@@ -25,17 +25,24 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
 
+# the regions' storage in HLO: 32-bit words (`cache.view.WORD`), bytes before 2026-12-03
+REGION_TYPES = {"s32": 4, "u8": 1}
+
 
 def region_copies(hlo: str, region_bytes: int) -> list[str]:
-    """The `copy` instructions of an HLO text whose (uint8) result has `region_bytes` bytes."""
+    """The `copy` instructions of an HLO text whose result is a region shard (`region_bytes`
+    bytes in the regions' storage type): a step that copies the buffer it updates and writes
+    the copy back. A typed view of a whole region materialised for reading (e.g. f32 K/V
+    pages, which `kv_pages` hands to the attention op) is another matter, not counted here."""
     out = []
     for line in hlo.splitlines():
         if " copy(" not in line or "=" not in line:
             continue
         shape = line.split("=", 1)[1].strip().split("{", 1)[0]
-        if shape.startswith("u8[") and shape.endswith("]"):
-            dims = [int(d) for d in shape[3:-1].split(",") if d]
-            if int(np.prod(dims)) == region_bytes:
+        kind, _, dims = shape.partition("[")
+        if kind in REGION_TYPES and dims.endswith("]"):
+            size = int(np.prod([int(d) for d in dims[:-1].split(",") if d]))
+            if size * REGION_TYPES[kind] == region_bytes:
                 out.append(line.strip()[:160])
     return out
 
@@ -81,7 +88,7 @@ def main() -> int:
             for _ in range(args.batch)
         ]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-        region_bytes = runner.regions[0].size // args.tensor_parallel_size
+        region_bytes = runner.regions[0].nbytes // args.tensor_parallel_size
         bad = 0
         for i, hlo in enumerate(texts):
             copies = region_copies(hlo, region_bytes)

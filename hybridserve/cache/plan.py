@@ -110,8 +110,8 @@ def plan_cache(
         blocks = max(-(-mamba_bytes // (a * per_token)), -(-(block_size or a) // a), 1)
         logical = a * blocks
         page = logical * per_token
-    else:  # a pure state-space model: one state per page, no tokens
-        logical, page = block_size or a, mamba_bytes
+    else:  # a pure state-space model: one state per page (in whole words), no tokens
+        logical, page = block_size or a, -(-mamba_bytes // 4) * 4
     unified = []
     for g in groups:
         spec = g.spec

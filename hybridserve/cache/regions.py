@@ -24,14 +24,15 @@ from jax.sharding import NamedSharding
 from hybridserve.cache.page_layout import AttentionPage, MambaPage, page_layouts
 from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.spec import MambaSpec, canonical_dtype
-from hybridserve.cache.view import AttentionAccess, CacheLayout, MambaAccess
-from hybridserve.config import ModelConfig
+from hybridserve.cache.view import WORD, WORD_BYTES, AttentionAccess, CacheLayout, MambaAccess
+from hybridserve.config import ConfigError, ModelConfig
 
 
 def allocate_regions(
     shape: tuple[int, int, int], count: int, sharding: NamedSharding, shareable: bool = False
 ) -> tuple[list[jax.Array], list[Any]]:
-    """`count` zeroed uint8 regions of `shape`, sharded by `sharding` (axis 0 over "tp").
+    """`count` zeroed regions of words (`cache.view.WORD`) of `shape`, sharded by `sharding`
+    (axis 0 over "tp").
 
     `shareable` on GPU: every shard is a torch tensor from cudaMalloc on its device, imported
     with DLPack (zero copy); the torch tensors are returned too and must outlive the regions.
@@ -40,7 +41,7 @@ def allocate_regions(
     """
     devices = list(sharding.addressable_devices)
     if not shareable or devices[0].platform != "gpu":
-        return [jnp.zeros(shape, jnp.uint8, device=sharding) for _ in range(count)], []
+        return [jnp.zeros(shape, WORD, device=sharding) for _ in range(count)], []
     try:
         import torch
     except ImportError as err:
@@ -57,7 +58,7 @@ def allocate_regions(
             rows = index_of[device][0]
             local = (len(range(*rows.indices(shape[0]))), shape[1], shape[2])
             with torch.cuda.device(device.local_hardware_id):
-                tensor = torch.zeros(local, dtype=torch.uint8, device="cuda")
+                tensor = torch.zeros(local, dtype=torch.int32, device="cuda")  # WORD
                 torch.cuda.synchronize()
                 shard = jax.device_put(jnp.from_dlpack(tensor), device)
             if shard.unsafe_buffer_pointer() != tensor.data_ptr():
@@ -114,6 +115,11 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
                 access[layer] = AttentionAccess(
                     region, g, cfg.attention.num_kv_heads, page, dtype, window
                 )
+    if row % WORD_BYTES or plan.page_size_bytes % row:
+        raise ConfigError(
+            f"cache rows of {row} bytes cannot be stored in {WORD_BYTES}-byte words (a K or V "
+            "row is head_dim times the cache dtype's size: it must be a multiple of 4 bytes)"
+        )
     return CacheLayout(
         tuple(access), plan.tensor_parallel_size, plan.ratio, plan.page_size_bytes, row
     )

@@ -1,12 +1,18 @@
 """Typed views of the raw cache regions, at the offsets of `cache.page_layout`.
 
-A region is one uint8 buffer `[tp, num_pages * page_rows, row_bytes]` (sharded over "tp" on axis
-0: each rank owns the bytes of its own pages); page p is rows `[p * page_rows, (p+1) * page_rows)`
-and a row is one head's K (or V) of one token (`AttentionPage.row_bytes`). The buffer is never
-reshaped: XLA then updates it in place. Every layer reads and writes its cache through a typed
-view of its region: the attention view and the Mamba view of one page are the same bytes. Where
-each byte lies (K/V halves, head-major kernel pages, the x/B/C/ssm slabs, padding) is the page
-layout's (`AttentionPage`, `MambaPage`); the views only read its rows and offsets.
+A region is one buffer of 32-bit words (`WORD`) `[tp, num_pages * page_rows, row_bytes / 4]`
+(sharded over "tp" on axis 0: each rank owns the bytes of its own pages); page p is rows
+`[p * page_rows, (p+1) * page_rows)` and a row is one head's K (or V) of one token
+(`AttentionPage.row_bytes`). The buffer is never reshaped: XLA then updates it in place. Words,
+not bytes: a float32 state is its words bitcast, with no size-changing conversion (which XLA
+may materialise, and which a kernel reading the region in place cannot do), and 16-bit K/V are
+two to a word. Every row is whole words (`build_layout` checks); a Mamba slab that does not
+start and end on a word is read and written through its bytes.
+
+Every layer reads and writes its cache through a typed view of its region: the attention view
+and the Mamba view of one page are the same bytes. Where each byte lies (K/V halves, head-major
+kernel pages, the x/B/C/ssm slabs, padding) is the page layout's (`AttentionPage`, `MambaPage`);
+the views only read its rows and offsets.
 
 Global arrays (what the model computes with) split their sharded axis as `[tp, local]`; heads or
 groups fewer than tp are duplicated so that each rank holds one (`dup` copies of each).
@@ -24,6 +30,8 @@ from hybridserve.cache.page_layout import AttentionPage, MambaPage
 # Page and row ids come from the scheduler and are always valid: promising it lets XLA update
 # the (donated) regions in place instead of guarding, and copying, the whole buffer.
 IN_BOUNDS = "promise_in_bounds"
+WORD = jnp.int32  # the regions' element (int32: torch, which allocates shareable regions, has it)
+WORD_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,18 +132,65 @@ def merge_tp(x: jax.Array, axis: int) -> jax.Array:
 
 
 def to_raw(x: jax.Array, dtype: str, n_lead: int) -> jax.Array:
-    """[tp, *lead, *shape] -> uint8 [tp, *lead, nbytes]."""
-    raw = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint8)
-    return raw.reshape(*x.shape[: 1 + n_lead], -1)
+    """[tp, *lead, *shape] -> words [tp, *lead, nbytes / 4] (the values' bytes in order; their
+    bytes must fill whole words). 32-bit values are their own words (a bitcast)."""
+    typed = x.astype(dtype)
+    lead = x.shape[: 1 + n_lead]
+    size = jnp.dtype(dtype).itemsize
+    if size >= WORD_BYTES:
+        return jax.lax.bitcast_convert_type(typed, WORD).reshape(*lead, -1)
+    packed = typed.reshape(*lead, -1, WORD_BYTES // size)
+    return jax.lax.bitcast_convert_type(packed, WORD)
 
 
 def from_raw(raw: jax.Array, dtype: str, shape: tuple[int, ...]) -> jax.Array:
-    """uint8 [tp, *lead, nbytes] -> [tp, *lead, *shape] of dtype."""
-    size = jnp.dtype(dtype).itemsize
+    """Words [tp, *lead, nwords] -> [tp, *lead, *shape] of dtype (the inverse of `to_raw`)."""
     lead = raw.shape[:-1]
-    if size > 1:
-        raw = raw.reshape(*lead, -1, size)
+    size = jnp.dtype(dtype).itemsize
+    if size > WORD_BYTES:
+        raw = raw.reshape(*lead, -1, size // WORD_BYTES)
     return jax.lax.bitcast_convert_type(raw, jnp.dtype(dtype)).reshape(*lead, *shape)
+
+
+def words_to_bytes(raw: jax.Array) -> jax.Array:
+    """Words [..., n] -> uint8 [..., 4n] (little-endian: the bytes as they lie in memory)."""
+    return jax.lax.bitcast_convert_type(raw, jnp.uint8).reshape(*raw.shape[:-1], -1)
+
+
+def bytes_to_words(raw: jax.Array) -> jax.Array:
+    """uint8 [..., 4n] -> words [..., n] (the inverse of `words_to_bytes`)."""
+    return jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, WORD_BYTES), WORD)
+
+
+def _slab(raw: jax.Array, start: int, end: int, dtype: str, shape: tuple[int, ...]) -> jax.Array:
+    """Bytes `[start, end)` of pages of words [tp, B, nwords] as values of `shape`: a slice of
+    whole words when the slab is word-aligned, else through its bytes."""
+    if start % WORD_BYTES == 0 and end % WORD_BYTES == 0:
+        return from_raw(raw[..., start // WORD_BYTES : end // WORD_BYTES], dtype, shape)
+    part = words_to_bytes(raw)[..., start:end]
+    lead, size = part.shape[:-1], jnp.dtype(dtype).itemsize
+    if size > 1:
+        part = part.reshape(*lead, -1, size)
+    return jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)).reshape(*lead, *shape)
+
+
+def _pack(parts: list[tuple[jax.Array, str]], page_bytes: int) -> jax.Array:
+    """Values [tp, B, ...] (with their storage dtypes), in page order from byte 0, then zeros to
+    `page_bytes`: words [tp, B, page_bytes / 4]. Whole words are concatenated as words; parts
+    whose bytes do not fill words go through bytes."""
+    sizes = [int(x[0, 0].size) * jnp.dtype(d).itemsize for x, d in parts]
+    if all(n % WORD_BYTES == 0 for n in sizes):
+        words = [to_raw(x, d, 1) for x, d in parts]
+        used = sum(sizes) // WORD_BYTES
+        pad = page_bytes // WORD_BYTES - used
+        out = jnp.concatenate(words, axis=-1)
+        return jnp.pad(out, ((0, 0), (0, 0), (0, pad)))
+    raw = [
+        jax.lax.bitcast_convert_type(x.astype(d), jnp.uint8).reshape(*x.shape[:2], -1)
+        for x, d in parts
+    ]
+    out = jnp.concatenate(raw, axis=-1)
+    return bytes_to_words(jnp.pad(out, ((0, 0), (0, 0), (0, page_bytes - sum(sizes)))))
 
 
 def duplicate(x: jax.Array, axis: int, dup: int) -> jax.Array:
@@ -228,16 +283,16 @@ def read_mamba(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages,
     then `region` itself (unchanged), so a caller threads it on like `write_mamba`'s result."""
-    raw = _read_pages(region, pages, page_rows)  # [tp, B, page_bytes]
+    raw = _read_pages(region, pages, page_rows)  # [tp, B, page words]
     page = acc.page
     if acc.layout == "DS":
         parts = [
-            from_raw(raw[..., s.offset : s.end], acc.conv_dtype, (dim, acc.rows))
+            _slab(raw, s.offset, s.end, acc.conv_dtype, (dim, acc.rows))
             for s, dim in ((page.x, acc.x_dim), (page.b, acc.bc_dim), (page.c, acc.bc_dim))
         ]
     else:
         shape = (acc.rows, acc.x_dim + 2 * acc.bc_dim)
-        conv = from_raw(raw[..., : page.conv_bytes], acc.conv_dtype, shape)
+        conv = _slab(raw, 0, page.conv_bytes, acc.conv_dtype, shape)
         splits = (acc.x_dim, acc.x_dim + acc.bc_dim)
         parts = [jnp.swapaxes(p, -1, -2) for p in jnp.split(conv, splits, axis=-1)]
     x, b, c = (merge_tp(p, 1) for p in parts)  # [B, channels, W-1]
@@ -248,8 +303,8 @@ def read_mamba(
         )
         for m in (b, c)
     )
-    ssm_raw = raw[..., page.ssm.offset : page.ssm.end]
-    ssm = merge_tp(from_raw(ssm_raw, acc.ssm_dtype, acc.ssm_shape), 1)
+    ssm = _slab(raw, page.ssm.offset, page.ssm.end, acc.ssm_dtype, acc.ssm_shape)
+    ssm = merge_tp(ssm, 1)
     return x, b, c, ssm, region
 
 
@@ -273,17 +328,14 @@ def write_mamba(
         for m in (b, c)
     )
     x, b, c = (split_tp(m, 1, tp) for m in (x, b, c))  # [tp, B, local, W-1]
-    page = acc.page
     if acc.layout == "DS":  # the x, B, C slabs in page order
-        conv = [to_raw(m, acc.conv_dtype, 1) for m in (x, b, c)]
+        conv = [(m, acc.conv_dtype) for m in (x, b, c)]
     else:  # [0, conv_bytes): (rows, conv_local)
         rows_major = jnp.concatenate([jnp.swapaxes(m, -1, -2) for m in (x, b, c)], axis=-1)
-        conv = [to_raw(rows_major, acc.conv_dtype, 1)]
+        conv = [(rows_major, acc.conv_dtype)]
     # the slabs are contiguous from 0: conv, then ssm at `conv_bytes`, then the padding
-    raw = jnp.concatenate([*conv, to_raw(split_tp(ssm, 1, tp), acc.ssm_dtype, 1)], axis=-1)
     tp, _, width = region.shape
-    _, pad = page.padding
-    raw = jnp.pad(raw, ((0, 0), (0, 0), (0, pad)))
+    raw = _pack([*conv, (split_tp(ssm, 1, tp), acc.ssm_dtype)], page_rows * width * WORD_BYTES)
     # one scatter of whole page rows for all requests, on the region in its own shape: XLA
     # updates the donated buffer in place (through a reshaped view it copies the whole region
     # first, every step, and bytes a P/D transfer writes meanwhile are lost). Padding rows
@@ -302,7 +354,7 @@ def _page_rows(pages: jax.Array, page_rows: int) -> jax.Array:
 
 
 def _read_pages(region: jax.Array, pages: jax.Array, page_rows: int) -> jax.Array:
-    """Pages `pages` ([B]) of a region as [tp, B, page_bytes], in one gather."""
+    """Pages `pages` ([B]) of a region as words [tp, B, page_bytes / 4], in one gather."""
     tp, _, width = region.shape
     rows = region.at[:, _page_rows(pages, page_rows)].get(mode=IN_BOUNDS)
     return rows.reshape(tp, pages.shape[0], page_rows * width)

@@ -1,8 +1,8 @@
 """The device side: parameters, the cache regions, and the jitted forward step.
 
 Lifecycle:
-  1. `ModelRunner(...)` allocates every region once: uint8 `[tp, num_pages * page_rows,
-     row_bytes]`, sharded so that each rank owns its pages. Every layer's cache is a typed
+  1. `ModelRunner(...)` allocates every region once: 32-bit words `[tp, num_pages * page_rows,
+     row_bytes / 4]`, sharded so that each rank owns its pages. Every layer's cache is a typed
      view of its region.
   2. `add_request` gives a request its sampling state (settings, PRNG key, tokens so far).
   3. `execute(scheduler_output)` applies the page copies (prefix-cache restores, Mamba
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.regions import CacheRegions, allocate_regions, build_layout
-from hybridserve.cache.view import apply_page_copies
+from hybridserve.cache.view import WORD_BYTES, apply_page_copies
 from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 from hybridserve.core.request import MultimodalInput
@@ -112,7 +112,7 @@ class ModelRunner:
         self._leaves, self._param_def = jax.tree.flatten(self.params)
         tp = plan.tensor_parallel_size
         sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
-        shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes)
+        shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes // WORD_BYTES)
         # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (cache/regions)
         self.regions, self._region_owners = allocate_regions(
             shape, plan.num_regions, sharding, shareable_regions
@@ -143,7 +143,7 @@ class ModelRunner:
     @property
     def cache_bytes(self) -> int:
         """Bytes of all regions over all ranks."""
-        return sum(r.size for r in self.regions)
+        return sum(r.nbytes for r in self.regions)
 
     def _model(self, leaves: list[jax.Array]) -> HybridModel:
         """The model over parameter leaves (inside a program: `_leaves` traced)."""

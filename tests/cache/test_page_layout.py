@@ -121,7 +121,8 @@ def test_views_read_what_numpy_laid_out(tp, layout, kv_heads):
     width = cache.row_bytes
 
     def region(per_rank: list[np.ndarray]) -> jnp.ndarray:
-        return jnp.asarray(np.stack(per_rank).reshape(tp, num_pages * rows, width))
+        words = np.stack(per_rank).view(np.int32)  # the same bytes, as the region's words
+        return jnp.asarray(words.reshape(tp, num_pages * rows, width // 4))
 
     k_all, v_all = (np.asarray(a, np.float32) for a in kv_pages(region(attn_region), attn, tp))
     np.testing.assert_array_equal(k_all, np.asarray(jnp.asarray(kv[:, 0], jnp.bfloat16), "f4"))

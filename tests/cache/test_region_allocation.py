@@ -7,6 +7,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.cache.regions import allocate_regions, shard_buffers
+from hybridserve.cache.view import WORD, WORD_BYTES
 
 
 def test_cpu_regions_are_xla_zeros_even_when_shareable_is_asked():
@@ -16,7 +17,7 @@ def test_cpu_regions_are_xla_zeros_even_when_shareable_is_asked():
     assert owners == []  # CPU memory from XLA is what UCX wants there
     assert len(regions) == 3
     for region in regions:
-        assert region.shape == (2, 8, 16) and region.dtype == np.uint8
+        assert region.shape == (2, 8, 16) and region.dtype == WORD
         assert not np.asarray(region).any()
     buffers = shard_buffers(regions)
     assert len(buffers) == 2 and all(len(rank) == 3 for rank in buffers)
@@ -24,4 +25,4 @@ def test_cpu_regions_are_xla_zeros_even_when_shareable_is_asked():
         for region, (addr, nbytes, device) in zip(regions, per_rank, strict=True):
             (shard,) = [s for s in region.addressable_shards if (s.index[0].start or 0) == rank]
             assert addr == shard.data.unsafe_buffer_pointer()
-            assert nbytes == 8 * 16 and device == 0
+            assert nbytes == 8 * 16 * WORD_BYTES and device == 0

@@ -14,7 +14,7 @@ import pytest
 from hybridserve.cache.plan import plan_cache
 from hybridserve.cache.regions import build_layout
 from hybridserve.cache.spec import layer_specs
-from hybridserve.cache.view import from_raw, kv_pages, read_mamba, write_mamba
+from hybridserve.cache.view import kv_pages, read_mamba, write_mamba
 from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 
@@ -28,6 +28,40 @@ CFG = ModelConfig(
 )  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["DS", "SD"])
+def test_mamba_slabs_that_split_words_round_trip(layout):
+    """A pure state-space model whose conv slabs are not whole words (head_dim 3, state 5:
+    bf16 slabs of 18 and 30 bytes): its page is rounded up to whole words and every state
+    reads back exactly what was written, through the bytes path, beside random neighbours."""
+    cfg = ModelConfig(
+        architecture="nemotron_h", vocab_size=64, hidden_size=32,
+        layer_types=("mamba", "mamba"), norm_eps=1e-5, attention=None,
+        mamba=MambaConfig(2, 3, 5, 1, 4, 8),
+    )  # fmt: skip
+    plan = plan_cache(layer_specs(cfg, 1, "bfloat16", "bfloat16", layout=layout), 1)
+    cache_layout = build_layout(cfg, plan)
+    assert plan.page_size_bytes % 4 == 0 and plan.page_size_bytes >= plan.groups[0].spec.state_bytes
+    acc, rows, width = cache_layout.layers[0], cache_layout.page_rows, cache_layout.row_bytes
+    rng = np.random.default_rng(1)
+    noise = rng.integers(0, 256, (1, 5 * rows, width), dtype=np.uint8)
+    region = jnp.asarray(noise.view(np.int32))
+    m = cfg.mamba
+    x = jnp.asarray(rng.standard_normal((2, m.num_heads * m.head_dim, 3)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((2, m.n_groups * m.state_size, 3)), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((2, m.n_groups * m.state_size, 3)), jnp.bfloat16)
+    ssm = jnp.asarray(rng.standard_normal((2, 2, 3, 5)), jnp.float32)
+    pages = jnp.array([3, 1])
+    region = write_mamba(region, acc, 1, pages, rows, x, b, c, ssm)
+    *got, region = read_mamba(region, acc, 1, pages, rows)
+    for want, have in zip((x, b, c, ssm), got, strict=True):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+    after = np.asarray(region).view(np.uint8)
+    for p in (0, 2, 4):  # pages no request named are untouched
+        np.testing.assert_array_equal(
+            after[:, p * rows : (p + 1) * rows], noise[:, p * rows : (p + 1) * rows]
+        )
+
+
 @pytest.mark.parametrize("tp,layout", [(1, "DS"), (1, "SD"), (2, "DS")])
 def test_mamba_view_and_attention_view_share_bytes(tp, layout):
     plan = plan_cache(layer_specs(CFG, tp, "bfloat16", "bfloat16", layout=layout), tp)
@@ -37,7 +71,8 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
     num_pages, rows, width = 4, cache_layout.page_rows, cache_layout.row_bytes
     assert rows * width == plan.page_size_bytes
     rng = np.random.default_rng(0)
-    region = jnp.asarray(rng.integers(0, 256, (tp, num_pages * rows, width), dtype=np.uint8))
+    noise = rng.integers(0, 256, (tp, num_pages * rows, width), dtype=np.uint8)
+    region = jnp.asarray(noise.view(np.int32))  # random bytes, as the region's words
     m = CFG.mamba
     x = jnp.asarray(rng.standard_normal((1, m.intermediate_size, 3)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((1, m.n_groups * m.state_size, 3)), jnp.bfloat16)
@@ -66,16 +101,14 @@ def test_mamba_view_and_attention_view_share_bytes(tp, layout):
         vr = np.asarray(v)[0].reshape(plan.ratio, kb, tp, heads, 8)[:, :, r].transpose(0, 2, 1, 3)
         page_bytes = np.concatenate([kr, vr], axis=1).view(np.uint8).reshape(-1)
         per_rank.append(page_bytes)
-    state = np.asarray(region)[:, 2 * rows : 3 * rows].reshape(tp, -1)[:, : spec.state_bytes]
+    state = np.asarray(region)[:, 2 * rows : 3 * rows].reshape(tp, -1).view(np.uint8)
+    state = state[:, : spec.state_bytes]
     for r in range(tp):
         np.testing.assert_array_equal(per_rank[r][: spec.state_bytes], state[r])
         # and the ssm bytes of rank r are the ssm values of its heads
-        ssm_r = from_raw(
-            jnp.asarray(state[r : r + 1, None, mamba.page.ssm.offset :]), "float32", spec.ssm_shape
-        )
-        np.testing.assert_array_equal(
-            np.asarray(ssm_r)[0, 0], np.asarray(ssm)[0, r * 4 // tp : (r + 1) * 4 // tp]
-        )
+        ssm_bytes = state[r, mamba.page.ssm.offset : mamba.page.ssm.end]
+        ssm_r = np.ascontiguousarray(ssm_bytes).view(np.float32).reshape(spec.ssm_shape)
+        np.testing.assert_array_equal(ssm_r, np.asarray(ssm)[0, r * 4 // tp : (r + 1) * 4 // tp])
 
 
 def test_region_addresses_fixed_across_steps(hf_checkpoint):
@@ -136,7 +169,20 @@ def test_steps_update_the_regions_in_place(hf_checkpoint, tmp_path, family, tp):
         SchedulerOutput((ScheduledChunk("a", prompt, 0, tables, True),), page_copies=((5, 9),))
     )
     runner.compute_logits(SchedulerOutput((ScheduledChunk("a", (7,), 20, tables, True),)))
-    region_bytes = runner.regions[0].size // tp  # one rank's shard
+    region_bytes = runner.regions[0].nbytes // tp  # one rank's shard
     assert len(compiled) == 2
     for hlo in compiled:
         assert not region_copies(hlo, region_bytes)
+
+
+def test_region_copies_finds_a_copy_of_a_shard_in_the_regions_storage_type():
+    """The HLO check above would pass vacuously if it missed the regions' element type (it
+    matched bytes alone while the regions became words)."""
+    lines = [
+        "  %copy.3 = s32[2,8,4]{2,1,0} copy(s32[2,8,4]{2,1,0} %param.1)",
+        "  %copy.4 = u8[256]{0} copy(u8[256]{0} %p)",
+        "  %copy.5 = s32[2,8,2]{2,1,0} copy(s32[2,8,2]{2,1,0} %param.2)",  # half a shard
+        "  %copy.6 = f32[4,16]{1,0} copy(f32[4,16]{1,0} %dot.1)",  # a typed value, as many bytes
+    ]
+    found = region_copies("\n".join(lines), 256)
+    assert [line.split(" =")[0].strip() for line in found] == ["%copy.3", "%copy.4"]
