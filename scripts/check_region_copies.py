@@ -27,22 +27,24 @@ import random_models  # noqa: E402
 
 # the regions' storage in HLO: 32-bit words (`cache.view.WORD`), bytes before 2026-12-03
 REGION_TYPES = {"s32": 4, "u8": 1}
+TYPED_VIEWS = REGION_TYPES | {"f32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1}
 
 
-def region_copies(hlo: str, region_bytes: int) -> list[str]:
+def region_copies(hlo: str, region_bytes: int, kinds: dict[str, int] = REGION_TYPES) -> list[str]:
     """The `copy` instructions of an HLO text whose result is a region shard (`region_bytes`
     bytes in the regions' storage type): a step that copies the buffer it updates and writes
-    the copy back. A typed view of a whole region materialised for reading (e.g. f32 K/V
-    pages, which `kv_pages` hands to the attention op) is another matter, not counted here."""
+    the copy back. `kinds=TYPED_VIEWS` also counts a typed view of a whole shard materialised
+    for reading (K/V pages read through `cache.view.kv_pages` at TP > 1 were); it also counts
+    any other value of that many bytes, so it suits models where none is that large."""
     out = []
     for line in hlo.splitlines():
         if " copy(" not in line or "=" not in line:
             continue
         shape = line.split("=", 1)[1].strip().split("{", 1)[0]
         kind, _, dims = shape.partition("[")
-        if kind in REGION_TYPES and dims.endswith("]"):
+        if kind in kinds and dims.endswith("]"):
             size = int(np.prod([int(d) for d in dims[:-1].split(",") if d]))
-            if size * REGION_TYPES[kind] == region_bytes:
+            if size * kinds[kind] == region_bytes:
                 out.append(line.strip()[:160])
     return out
 

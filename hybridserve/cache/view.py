@@ -24,6 +24,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from hybridserve.cache.page_layout import AttentionPage, MambaPage
 
@@ -104,13 +105,16 @@ class MambaAccess:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Static cache facts for one engine: per-layer access (None for cacheless layers)."""
+    """Static cache facts for one engine: per-layer access (None for cacheless layers) and the
+    device mesh the regions are sharded over (None: not known here; views that need a rank's
+    own shard then take the global path)."""
 
     layers: tuple[AttentionAccess | MambaAccess | None, ...]
     tp: int
     ratio: int
     page_bytes: int
     row_bytes: int  # one head's K (or V) of one token; the whole page without attention
+    mesh: Mesh | None = None
 
     @property
     def page_rows(self) -> int:
@@ -271,11 +275,22 @@ def read_kv(
 
 def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Array, jax.Array]:
     """The whole region as typed K and V pages `[kernel blocks, K, kb, H]` each (the layout
-    `paged_attention` reads; a view: no page is gathered here)."""
+    `paged_attention` reads; a view: no page is gathered here). With tp > 1 the rank axis moves
+    next to the heads, which XLA lays out by copying every shard: a step should read one rank's
+    shard with `kv_pages_local` instead."""
     typed = from_raw(region, acc.dtype, (acc.head_dim,))  # [tp, rows, H]
     typed = typed.reshape(tp, -1, *acc.page.kernel_page_shape)  # [tp, blocks, K|V, heads, kb, H]
     full = undup(merge_tp(typed, 2), 2, acc.dup(tp))  # [blocks, K|V, K, kb, H]
     return full[:, 0], full[:, 1]
+
+
+def kv_pages_local(shard: jax.Array, acc: AttentionAccess) -> tuple[jax.Array, jax.Array]:
+    """One rank's shard of a region ([1, rows, words], inside `shard_map`) as its K and V pages
+    `[kernel blocks, heads_local, kb, H]` each: a bitcast and a reshape of its own bytes, with
+    duplicated heads kept (rank r holds global KV head (r * heads_local + j) // dup)."""
+    typed = from_raw(shard, acc.dtype, (acc.head_dim,))  # [1, rows, H]
+    pages = typed.reshape(-1, *acc.page.kernel_page_shape)  # [blocks, K|V, heads_local, kb, H]
+    return pages[:, 0], pages[:, 1]
 
 
 def read_mamba(

@@ -8,9 +8,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from backends.protocol import Ops, RelativeBias
-from hybridserve.cache.view import kv_pages, write_kv
+from hybridserve.cache.view import AttentionAccess, kv_pages, kv_pages_local, write_kv
 from hybridserve.config import AttentionConfig
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.rope import apply_rope
@@ -84,19 +86,71 @@ class Attention(nnx.Module):
         # then attend over the pages: one in-place write of the region per layer.
         k, v = k.astype(acc.dtype), v.astype(acc.dtype)
         region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
-        k_pages, v_pages = kv_pages(region, acc, tp)
-        rel = (None, None, None)
+        rel_q = rel_table = None
         if self.r_proj is not None:
-            rel = (self.r_proj(x), self.rel_table[...], self.rel_bias)
-        out = self.ops.paged_attention(
+            rel_q, rel_table = self.r_proj(x), self.rel_table[...]
+        mesh = inputs.layout.mesh
+        where = (table, inputs.positions, inputs.kv_lengths)
+        if tp > 1 and mesh is not None and self.cfg.num_heads % tp == 0:
+            out = self._per_rank(q, region, where, acc, mesh, rel_q, rel_table)
+        else:
+            k_pages, v_pages = kv_pages(region, acc, tp)
+            out = self._attend(q, k_pages, v_pages, where, rel_q, rel_table)
+        return self.o_proj(out), region
+
+    def _attend(
+        self,
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        where: tuple[jax.Array, jax.Array, jax.Array],
+        rel_q: jax.Array | None,
+        rel_table: jax.Array | None,
+    ) -> jax.Array:
+        """The attention op over typed pages; `where` = (block table, positions, kv lengths)."""
+        table, positions, kv_lengths = where
+        return self.ops.paged_attention(
             q,
             k_pages,
             v_pages,
             table,
-            inputs.positions,
-            inputs.kv_lengths,
+            positions,
+            kv_lengths,
             self.cfg.softmax_scale,
             self.window,
-            *rel,
+            rel_q,
+            rel_table,
+            None if rel_q is None else self.rel_bias,
         )
-        return self.o_proj(out), region
+
+    def _per_rank(
+        self,
+        q: jax.Array,
+        region: jax.Array,
+        where: tuple[jax.Array, jax.Array, jax.Array],
+        acc: AttentionAccess,
+        mesh: Mesh,
+        rel_q: jax.Array | None,
+        rel_table: jax.Array | None,
+    ) -> jax.Array:
+        """Tensor parallelism: each rank attends its own query heads over its own shard of the
+        region (`shard_map`), which it reads in place. (Read as one global array, the shards
+        are copied whole, every layer, every step: `cache.view.kv_pages`.) Its query heads
+        [r * N/tp, (r+1) * N/tp) share the KV heads it holds, as in the global computation."""
+        heads = P(None, None, "tp", None)
+        args = [q, region, *where]
+        specs = [heads, P("tp", None, None), P(), P(), P()]
+        if rel_q is not None:
+            args += [rel_q, rel_table]
+            specs += [heads, P()]
+
+        def local(q_r, shard, table, positions, kv_lengths, *rel):
+            k_pages, v_pages = kv_pages_local(shard, acc)
+            rel_q_r, rel_table_r = rel if rel else (None, None)
+            where_r = (table, positions, kv_lengths)
+            return self._attend(q_r, k_pages, v_pages, where_r, rel_q_r, rel_table_r)
+
+        run = jax.shard_map(
+            local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False
+        )
+        return run(*args)
