@@ -21,6 +21,7 @@ groups fewer than tp are duplicated so that each rank holds one (`dup` copies of
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +183,7 @@ def _pack(parts: list[tuple[jax.Array, str]], page_bytes: int) -> jax.Array:
     """Values [tp, B, ...] (with their storage dtypes), in page order from byte 0, then zeros to
     `page_bytes`: words [tp, B, page_bytes / 4]. Whole words are concatenated as words; parts
     whose bytes do not fill words go through bytes."""
-    sizes = [int(x[0, 0].size) * jnp.dtype(d).itemsize for x, d in parts]
+    sizes = [math.prod(x.shape[2:]) * jnp.dtype(d).itemsize for x, d in parts]
     if all(n % WORD_BYTES == 0 for n in sizes):
         words = [to_raw(x, d, 1) for x, d in parts]
         used = sum(sizes) // WORD_BYTES
@@ -276,8 +277,8 @@ def read_kv(
 def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Array, jax.Array]:
     """The whole region as typed K and V pages `[kernel blocks, K, kb, H]` each (the layout
     `paged_attention` reads; a view: no page is gathered here). With tp > 1 the rank axis moves
-    next to the heads, which XLA lays out by copying every shard: a step should read one rank's
-    shard with `kv_pages_local` instead."""
+    next to the heads, which XLA laid out by copying every shard (seen on CPU at TP 2): a step
+    should read one rank's shard with `kv_pages_local` instead."""
     typed = from_raw(region, acc.dtype, (acc.head_dim,))  # [tp, rows, H]
     typed = typed.reshape(tp, -1, *acc.page.kernel_page_shape)  # [tp, blocks, K|V, heads, kb, H]
     full = undup(merge_tp(typed, 2), 2, acc.dup(tp))  # [blocks, K|V, K, kb, H]

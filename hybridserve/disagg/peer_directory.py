@@ -126,7 +126,9 @@ class PeerDirectory:
             peer = self._join(key, pending.future.result())
         except Exception as err:
             if not isinstance(err, HandshakeError):
-                err = HandshakeError(f"handshake with {key[0]}:{key[1]} failed: {err}")
+                cause = err
+                err = HandshakeError(f"handshake with {key[0]}:{key[1]} failed: {cause}")
+                err.__cause__ = cause
             self._fail(key, pending, params, err)
         self.failed.pop(key, None)
         if peer.epoch != params.epoch:
