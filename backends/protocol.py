@@ -143,6 +143,35 @@ class Mamba2Step(Protocol):
         """
 
 
+class Mamba2StepPaged(Protocol):
+    def __call__(
+        self,
+        region: Array,
+        pages: Array,
+        fresh: Array,
+        x: Array,
+        dt: Array,
+        a: Array,
+        b: Array,
+        c: Array,
+        d: Array,
+        state_offset: int,
+        page_rows: int,
+    ) -> tuple[Array, Array]:
+        """`Mamba2Step` on states that live in a cache region, updated where they lie.
+
+        Row i's state is float32 [Hs, P, Ns], contiguous, at word `state_offset` of page
+        `pages[i]` (page p: region rows [p * page_rows, (p + 1) * page_rows)); a row with
+        `fresh[i]` starts from zeros (its page is reused), and a row on page 0 (the null page:
+        padding) is computed but its state is not stored.
+
+        Args: region words (int32) [1, R, Wd] (one rank's shard; Wd words a row); pages, fresh
+          [B] int32; x [B, Hs, P]; dt [B, Hs]; a, d [Hs]; b, c [B, G, Ns].
+        Returns: y [B, Hs, P] in x's dtype; the region with the new states (the caller donates
+          it: a backend may write it in place).
+        """
+
+
 @dataclasses.dataclass(frozen=True)
 class RelativeBias:
     """Bucketing of query-key distances `d = p_q - p_k >= 0` for a learned relative-position
@@ -250,6 +279,7 @@ OP_SIGNATURES: dict[str, type] = {
     "causal_conv1d_step": CausalConv1dStep,
     "mamba2_scan": Mamba2Scan,
     "mamba2_step": Mamba2Step,
+    "mamba2_step_paged": Mamba2StepPaged,
     "paged_attention": PagedAttention,
     "grouped_matmul": GroupedMatmul,
     "nvfp4_grouped_matmul": Nvfp4GroupedMatmul,
@@ -282,6 +312,7 @@ class Ops:
     causal_conv1d_step: CausalConv1dStep
     mamba2_scan: Mamba2Scan
     mamba2_step: Mamba2Step
+    mamba2_step_paged: Mamba2StepPaged
     paged_attention: PagedAttention
     grouped_matmul: GroupedMatmul
     nvfp4_grouped_matmul: Nvfp4GroupedMatmul
@@ -310,11 +341,28 @@ def get_op(op: str, backend: str) -> Callable:
 
 def load_ops(backend: str = "xla", fallback: str | None = None) -> Ops:
     """Resolve every op for `backend`. Ops it lacks come from `fallback` only when one is given
-    (e.g. `fallback="xla"`); otherwise a missing op raises `BackendError`."""
+    (e.g. `fallback="xla"`); otherwise a missing op raises `BackendError`.
+
+    `backend` may name ops taken from other backends after a comma:
+    `"xla,mamba2_step_paged=pallas"` is the xla table with the pallas state update (for
+    measuring one kernel inside the engine); `Ops.backend` is then that whole string."""
+    base, *picks = (part.strip() for part in backend.split(","))
+    overrides = {}
+    for pick in picks:
+        op, sep, name = pick.partition("=")
+        if not sep or op not in OP_SIGNATURES:
+            raise BackendError(
+                f"bad backend override {pick!r} in {backend!r}: write OP=BACKEND with OP one of "
+                f"{sorted(OP_SIGNATURES)}"
+            )
+        overrides[op] = get_op(op, name)
     table = {}
     for op in OP_SIGNATURES:
+        if op in overrides:
+            table[op] = overrides[op]
+            continue
         try:
-            table[op] = get_op(op, backend)
+            table[op] = get_op(op, base)
         except BackendError:
             if fallback is None:
                 raise

@@ -4,12 +4,14 @@
 One run, one device:
   1. Copy bandwidth: a jitted elementwise pass over --copy-mib MiB (read + write), best of 20;
      BW = 2 * bytes / time. Every floor below divides by this BW.
-  2. The model (a --shape from scripts/random_models.py with dummy bf16 weights drawn on the
-     device, or --model DIR) in an engine with max_num_seqs = the largest --batch.
+  2. For each --backend in turn (default: xla, then pallas; "xla,OP=pallas" takes one op from
+     another backend), the model (a --shape from scripts/random_models.py with dummy bf16
+     weights drawn on the device, or --model DIR) in an engine sized for --max-num-seqs rows.
   3. For each batch B: B requests of --context random prompt tokens are prefilled, then
        forward: the jitted decode program (model + lm_head for B rows, cache in place), called
                 --steps times back to back (host work overlaps the device), per call;
        engine:  `LLMEngine.step()` (schedule, program, sampling, token to host), per call;
+       kernels: GPU kernels per forward call and their summed time (a profile of 5 calls);
        matmul:  every dense weight the step reads, multiplied by a [B, in] activation in one jitted
                 program: the GEMV/GEMM time XLA alone gets from these weights;
      and the bytes the step must move (`scripts/decode_cost.py`): weights (embedding rows,
@@ -18,7 +20,7 @@ One run, one device:
 
     # the H200 numbers in BENCHMARKS.md (about 4 minutes, most of it the first compile)
     python scripts/bench_decode.py --shape nano-9b-v2 --batch 1 8 64 --context 1024 \\
-        --json decode.json
+        --json benchmarks/h200/decode.json
     # a CPU check of the script (seconds)
     python scripts/bench_decode.py --shape tiny --batch 1 4 --context 32 --steps 4 --copy-mib 16
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
+import gc
 import json
 import math
 import pstats
@@ -46,6 +50,7 @@ from hybridserve.config import CacheConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
 from decode_cost import NOT_IN_DECODE, decode_bytes  # noqa: E402
+from trace_summary import kernel_times  # noqa: E402
 
 
 def copy_bandwidth(mib: int, repeats: int = 20) -> float:
@@ -99,6 +104,24 @@ def matmul_program(params: nnx.State, batch: int):
     return lambda: run(leaves)
 
 
+def count_kernels(
+    fn, args: argparse.Namespace, name: str, calls: int = 5
+) -> tuple[float | None, float | None]:
+    """GPU kernels per call of `fn` and their summed milliseconds, from a profile of `calls`
+    calls (kept under --trace DIR/name when given). (None, None) where the profile has no GPU
+    stream (the CPU)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        where = args.trace / name if args.trace else Path(tmp)
+        with jax.profiler.trace(str(where), create_perfetto_trace=True):
+            jax.block_until_ready([fn() for _ in range(calls)])
+        files = sorted(where.rglob("perfetto_trace.json.gz"))
+        times = kernel_times(files[-1]) if files else {}
+    if not times:
+        return None, None
+    count = sum(n for _, n in times.values())
+    return count / calls, sum(t for t, _ in times.values()) / calls / 1e3
+
+
 def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     rng = np.random.default_rng(b)
@@ -124,9 +147,7 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     batch = captured[-1]
     forward_s = time_calls(lambda: runner.run(batch)[0], args.steps)
-    if args.trace:  # a profile of a few forward calls
-        with jax.profiler.trace(str(args.trace / f"b{b}"), create_perfetto_trace=True):
-            jax.block_until_ready([runner.run(batch)[0] for _ in range(5)])
+    kernels, kernel_ms = count_kernels(lambda: runner.run(batch)[0], args, f"{args.tag}_b{b}")
     matmul_s = time_calls(matmul_program(runner.params, b), args.steps)
     for r in ids:
         engine.abort_request(r)
@@ -143,6 +164,8 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
         "forward_ms": 1e3 * forward_s,
         "engine_step_ms": 1e3 * engine_s,
         "matmul_only_ms": 1e3 * matmul_s,
+        "kernels_per_step": kernels,
+        "kernel_ms_per_step": kernel_ms,
         "forward_over_floor": forward_s / floor,
         "engine_over_floor": engine_s / floor,
     }
@@ -157,10 +180,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--copy-mib", type=int, default=4096, help="copy-bandwidth buffer (default 4096 MiB)")
     add("--cache-gib", type=float, default=48, help="cache pool GiB (default 48; capped by need)")
     add("--prefill-tokens", type=int, default=8192, help="tokens per prefill step (8192)")
-    add("--backend", default="xla", help="op backend (default xla)")
+    add(
+        "--backend",
+        nargs="+",
+        default=["xla", "pallas"],
+        help='op backends, one engine each (default xla pallas; "xla,OP=pallas" mixes)',
+    )
+    add("--max-num-seqs", type=int, default=256, help="rows the engine is sized for (256)")
+    add("--commit", default="", help="the code's commit, for the JSON")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write the results here")
-    add("--trace", type=Path, help="profile 5 forward calls of each batch into DIR/b<batch>")
+    add("--trace", type=Path, help="keep the profiles of 5 forward calls in DIR/<backend>_b<B>")
     add("--profile-engine", action="store_true", help="cProfile the engine steps")
     args = parser.parse_args(argv)
     if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
@@ -174,47 +204,59 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device: {device.platform} {device.device_kind}", flush=True)
     args.bandwidth = copy_bandwidth(args.copy_mib)
     print(f"copy bandwidth (read + write): {args.bandwidth / 1e12:.3f} TB/s", flush=True)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or random_models.write_config(args.shape, tmp)
-        llm = LLM(
-            str(model),
-            dtype=args.dtype,
-            backend=args.backend,
-            max_model_len=args.context + 4 * args.steps + 64,
-            max_num_seqs=max(args.batch),
-            max_num_batched_tokens=max(args.prefill_tokens, max(args.batch)),
-            max_prefill_chunk=args.context,
-            cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
-            enable_prefix_caching=False,
-            load_format="auto" if args.model else "dummy",
-            progress=False,
-        )
-        rows = []
-        for b in args.batch:
-            rows.append(bench_batch(llm, b, args))
-            print(json.dumps(rows[-1]), flush=True)
-    print(
-        f"{'B':>4} {'ctx':>6} {'weights GB':>10} {'KV GB':>7} {'state GB':>8} {'floor ms':>8} "
-        f"{'fwd ms':>7} {'fwd/floor':>9} {'engine ms':>9} {'eng/floor':>9} {'matmul ms':>9}"
-    )
-    for r in rows:
-        print(
-            f"{r['batch']:>4} {r['context']:>6} {r['weights_bytes'] / 1e9:>10.3f} "
-            f"{r['kv_bytes'] / 1e9:>7.3f} {r['state_bytes'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} "
-            f"{r['forward_ms']:>7.3f} {r['forward_over_floor']:>9.2f} "
-            f"{r['engine_step_ms']:>9.3f} {r['engine_over_floor']:>9.2f} "
-            f"{r['matmul_only_ms']:>9.3f}"
-        )
+        for backend in args.backend:
+            args.tag = backend.replace(",", "+").replace("=", "-")
+            llm = LLM(
+                str(model),
+                dtype=args.dtype,
+                backend=backend,
+                max_model_len=args.context + 4 * args.steps + 64,
+                max_num_seqs=max(args.max_num_seqs, *args.batch),
+                max_num_batched_tokens=max(args.prefill_tokens, args.max_num_seqs, *args.batch),
+                max_prefill_chunk=args.context,
+                cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
+                enable_prefix_caching=False,
+                load_format="auto" if args.model else "dummy",
+                progress=False,
+            )
+            for b in args.batch:
+                rows.append({"backend": backend, **bench_batch(llm, b, args)})
+                print(json.dumps(rows[-1]), flush=True)
+            del llm  # free its weights and pool before the next backend's
+            gc.collect()
+    print_table(rows)
     result = {
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
         "device": f"{device.platform}: {device.device_kind}",
         "jax_version": jax.__version__,
-        "copy_bandwidth_bytes_per_s": args.bandwidth,
+        "copy_gbps": args.bandwidth / 1e9,
         "args": {k: str(v) for k, v in vars(args).items()},
         "rows": rows,
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'backend':>28} {'B':>4} {'weights GB':>10} {'state GB':>8} {'floor ms':>8} "
+        f"{'fwd ms':>7} {'fwd/floor':>9} {'engine ms':>9} {'eng/fwd':>7} {'kernels':>7} "
+        f"{'matmul ms':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['backend']:>28} {r['batch']:>4} {r['weights_bytes'] / 1e9:>10.3f} "
+            f"{r['state_bytes'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} {r['forward_ms']:>7.3f} "
+            f"{r['forward_over_floor']:>9.2f} {r['engine_step_ms']:>9.3f} "
+            f"{r['engine_step_ms'] / r['forward_ms']:>7.2f} "
+            f"{r['kernels_per_step'] or math.nan:>7.0f} "
+            f"{r['matmul_only_ms']:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,9 +53,11 @@ def test_bench_decode_reports_consistent_rows(tmp_path: Path) -> None:
     result = bench_decode.main(
         ["--shape", "tiny", "--batch", "1", "2", "--context", "16", "--steps", "2"]
         + ["--copy-mib", "4", "--json", str(tmp_path / "d.json")]
+        + ["--backend", "xla", "--max-num-seqs", "2"]
     )
     assert (tmp_path / "d.json").is_file()
-    bw = result["copy_bandwidth_bytes_per_s"]
+    assert {row["backend"] for row in result["rows"]} == {"xla"}
+    bw = result["copy_gbps"] * 1e9
     for row in result["rows"]:
         total = row["weights_bytes"] + row["kv_bytes"] + row["state_bytes"]
         assert row["floor_ms"] == pytest.approx(1e3 * total / bw)

@@ -8,6 +8,7 @@ import torch
 
 from backends.protocol import register
 from backends.torch.bridge import call
+from backends.xla.ssd_paged import through
 
 
 def _heads_from_groups(m: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -100,3 +101,7 @@ def mamba2_step(
         jax.ShapeDtypeStruct(state.shape, "float32"),
     )
     return call(fn, specs, state, x, dt, a, b, c, d)
+
+
+# The region is a JAX buffer: torch updates the gathered states, JAX scatters them back.
+register("mamba2_step_paged", "torch")(through(mamba2_step))

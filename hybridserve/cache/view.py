@@ -167,7 +167,9 @@ def bytes_to_words(raw: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, WORD_BYTES), WORD)
 
 
-def _slab(raw: jax.Array, start: int, end: int, dtype: str, shape: tuple[int, ...]) -> jax.Array:
+def read_slab(
+    raw: jax.Array, start: int, end: int, dtype: str, shape: tuple[int, ...]
+) -> jax.Array:
     """Bytes `[start, end)` of pages of words [tp, B, nwords] as values of `shape`: a slice of
     whole words when the slab is word-aligned, else through its bytes."""
     if start % WORD_BYTES == 0 and end % WORD_BYTES == 0:
@@ -179,7 +181,7 @@ def _slab(raw: jax.Array, start: int, end: int, dtype: str, shape: tuple[int, ..
     return jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)).reshape(*lead, *shape)
 
 
-def _pack(parts: list[tuple[jax.Array, str]], page_bytes: int) -> jax.Array:
+def pack_words(parts: list[tuple[jax.Array, str]], page_bytes: int) -> jax.Array:
     """Values [tp, B, ...] (with their storage dtypes), in page order from byte 0, then zeros to
     `page_bytes`: words [tp, B, page_bytes / 4]. Whole words are concatenated as words; parts
     whose bytes do not fill words go through bytes."""
@@ -292,85 +294,3 @@ def kv_pages_local(shard: jax.Array, acc: AttentionAccess) -> tuple[jax.Array, j
     typed = from_raw(shard, acc.dtype, (acc.head_dim,))  # [1, rows, H]
     pages = typed.reshape(-1, *acc.page.kernel_page_shape)  # [blocks, K|V, heads_local, kb, H]
     return pages[:, 0], pages[:, 1]
-
-
-def read_mamba(
-    region: jax.Array, acc: MambaAccess, tp: int, pages: jax.Array, page_rows: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(conv x [B, X, W-1], conv B [B, G*N, W-1], conv C, ssm [B, Hs, P, N]) of state pages,
-    then `region` itself (unchanged), so a caller threads it on like `write_mamba`'s result."""
-    raw = _read_pages(region, pages, page_rows)  # [tp, B, page words]
-    page = acc.page
-    if acc.layout == "DS":
-        parts = [
-            _slab(raw, s.offset, s.end, acc.conv_dtype, (dim, acc.rows))
-            for s, dim in ((page.x, acc.x_dim), (page.b, acc.bc_dim), (page.c, acc.bc_dim))
-        ]
-    else:
-        shape = (acc.rows, acc.x_dim + 2 * acc.bc_dim)
-        conv = _slab(raw, 0, page.conv_bytes, acc.conv_dtype, shape)
-        splits = (acc.x_dim, acc.x_dim + acc.bc_dim)
-        parts = [jnp.swapaxes(p, -1, -2) for p in jnp.split(conv, splits, axis=-1)]
-    x, b, c = (merge_tp(p, 1) for p in parts)  # [B, channels, W-1]
-    dup = acc.group_dup(tp)
-    b, c = (
-        undup(m.reshape(m.shape[0], -1, acc.state_size, acc.rows), 1, dup).reshape(
-            m.shape[0], -1, acc.rows
-        )
-        for m in (b, c)
-    )
-    ssm = _slab(raw, page.ssm.offset, page.ssm.end, acc.ssm_dtype, acc.ssm_shape)
-    ssm = merge_tp(ssm, 1)
-    return x, b, c, ssm, region
-
-
-def write_mamba(
-    region: jax.Array,
-    acc: MambaAccess,
-    tp: int,
-    pages: jax.Array,
-    page_rows: int,
-    x: jax.Array,
-    b: jax.Array,
-    c: jax.Array,
-    ssm: jax.Array,
-) -> jax.Array:
-    """Inverse of `read_mamba`: store the four states into the state pages."""
-    dup = acc.group_dup(tp)
-    b, c = (
-        duplicate(m.reshape(m.shape[0], -1, acc.state_size, acc.rows), 1, dup).reshape(
-            m.shape[0], -1, acc.rows
-        )
-        for m in (b, c)
-    )
-    x, b, c = (split_tp(m, 1, tp) for m in (x, b, c))  # [tp, B, local, W-1]
-    if acc.layout == "DS":  # the x, B, C slabs in page order
-        conv = [(m, acc.conv_dtype) for m in (x, b, c)]
-    else:  # [0, conv_bytes): (rows, conv_local)
-        rows_major = jnp.concatenate([jnp.swapaxes(m, -1, -2) for m in (x, b, c)], axis=-1)
-        conv = [(rows_major, acc.conv_dtype)]
-    # the slabs are contiguous from 0: conv, then ssm at `conv_bytes`, then the padding
-    tp, _, width = region.shape
-    raw = _pack([*conv, (split_tp(ssm, 1, tp), acc.ssm_dtype)], page_rows * width * WORD_BYTES)
-    # one scatter of whole page rows for all requests, on the region in its own shape: XLA
-    # updates the donated buffer in place (through a reshaped view it copies the whole region
-    # first, every step, and bytes a P/D transfer writes meanwhile are lost). Padding rows
-    # (the null page, 0: no request's state) go to distinct rows past the end and are
-    # dropped, so every index is unique and the scatter says so (XLA's GPU scatter then
-    # stores plainly instead of a compare-and-swap per element).
-    rows = raw.reshape(tp, -1, page_rows, width)
-    beyond = region.shape[1] + _page_rows(jnp.arange(pages.shape[0], dtype=pages.dtype), page_rows)
-    dst = jnp.where((pages > 0)[:, None], _page_rows(pages, page_rows), beyond)
-    return region.at[:, dst].set(rows, mode="drop", unique_indices=True)
-
-
-def _page_rows(pages: jax.Array, page_rows: int) -> jax.Array:
-    """The region rows of pages `pages` ([B]): [B, page_rows]."""
-    return pages[:, None] * page_rows + jnp.arange(page_rows, dtype=pages.dtype)[None, :]
-
-
-def _read_pages(region: jax.Array, pages: jax.Array, page_rows: int) -> jax.Array:
-    """Pages `pages` ([B]) of a region as words [tp, B, page_bytes / 4], in one gather."""
-    tp, _, width = region.shape
-    rows = region.at[:, _page_rows(pages, page_rows)].get(mode=IN_BOUNDS)
-    return rows.reshape(tp, pages.shape[0], page_rows * width)

@@ -11,8 +11,10 @@ Prefill runs the chunked SSD scan from the carried state; one-token decode runs 
 update. The input projection is kept as five separate kernels so that tensor parallelism can
 shard heads and groups; the checkpoint loader splits HF's fused `in_proj`.
 The conv states of x, b and c and the ssm state live in the request's state page of the layer's
-region (see `cache.view`); conv weights are kept per x / b / c so that TP shards them with their
-heads and groups.
+region (see `cache.mamba_view`); conv weights are kept per x / b / c so that TP shards them with
+their heads and groups. A decode step updates the ssm state where it lies
+(`Ops.mamba2_step_paged`, per TP rank over its own shard) and moves only the conv state through
+a gather and a scatter; prefill reads and writes whole state pages.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from backends.protocol import Ops
-from hybridserve.cache.view import read_mamba, write_mamba
+from hybridserve.cache.mamba_view import (
+    in_place,
+    read_conv,
+    read_mamba,
+    state_offset,
+    write_conv,
+    write_mamba,
+)
+from hybridserve.cache.view import MambaAccess, duplicate
 from hybridserve.config import MambaConfig
 from hybridserve.layers.linear import Einsum, param
 from hybridserve.layers.step_input import StepInput
@@ -94,15 +105,19 @@ class Mamba2(nnx.Module):
         if cfg.dt_min > 0.0 or cfg.dt_max < float("inf"):
             dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        x_st, b_st, c_st, ssm_state, region = read_mamba(
-            region, acc, tp, pages, inputs.layout.page_rows
-        )
+        page_rows = inputs.layout.page_rows
         fresh = inputs.fresh  # a row at position 0 starts from zero state (the page is reused)
+        # one-token decode updates the ssm state in place; only the conv state moves
+        paged = t == 1 and in_place(acc) and (tp == 1 or inputs.layout.mesh is not None)
+        if paged:
+            x_st, b_st, c_st, conv_rows = read_conv(region, acc, tp, pages, page_rows)
+        else:
+            x_st, b_st, c_st, ssm_state, region = read_mamba(region, acc, tp, pages, page_rows)
+            ssm_state = jnp.where(fresh[:, None, None, None], 0, ssm_state)
         states = {
             k: jnp.where(fresh[:, None, None], 0, st)
             for k, st in (("x", x_st), ("b", b_st), ("c", c_st))
         }
-        ssm_state = jnp.where(fresh[:, None, None, None], 0, ssm_state)
         outs = {}
         for key, seq in seqs.items():
             weight = self.conv_weight[key][...]
@@ -120,7 +135,14 @@ class Mamba2(nnx.Module):
                 )
             outs[key] = y.reshape(seq.shape)
         xs, bs, cs = outs["x"], outs["b"], outs["c"]
-        if t == 1:
+        if paged:
+            region = write_conv(
+                region, acc, tp, pages, page_rows, states["x"], states["b"], states["c"], conv_rows
+            )
+            step = (xs[:, 0], dt[:, 0], a, bs[:, 0], cs[:, 0], self.D[...])
+            y, region = self._step_in_place(region, acc, pages, fresh, inputs, *step)
+            y = y[:, None]
+        elif t == 1:
             y, ssm_state = ops.mamba2_step(
                 ssm_state, xs[:, 0], dt[:, 0], a, bs[:, 0], cs[:, 0], self.D[...]
             )
@@ -141,15 +163,53 @@ class Mamba2(nnx.Module):
             cfg.intermediate_size // cfg.n_groups,
         )
         out = self.out_proj(y.reshape(bsz, t, hs, p).astype(u.dtype))
-        region = write_mamba(
-            region,
-            acc,
-            tp,
-            pages,
-            inputs.layout.page_rows,
-            states["x"],
-            states["b"],
-            states["c"],
-            ssm_state,
-        )
+        if not paged:
+            region = write_mamba(
+                region,
+                acc,
+                tp,
+                pages,
+                page_rows,
+                states["x"],
+                states["b"],
+                states["c"],
+                ssm_state,
+            )
         return out, region
+
+    def _step_in_place(
+        self,
+        region: jax.Array,
+        acc: MambaAccess,
+        pages: jax.Array,
+        fresh: jax.Array,
+        inputs: StepInput,
+        x: jax.Array,
+        dt: jax.Array,
+        a: jax.Array,
+        b: jax.Array,
+        c: jax.Array,
+        d: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`mamba2_step_paged` over the region: y [B, Hs, P] and the region. At TP > 1 each
+        rank updates its own heads' states in its own shard (`shard_map`); B and C groups
+        fewer than tp are duplicated first, as their pages hold them."""
+        layout = inputs.layout
+        tp = layout.tp
+        fresh = fresh.astype(jnp.int32)
+
+        def step(shard, pages, fresh, x, dt, a, b, c, d):
+            return self.ops.mamba2_step_paged(
+                shard, pages, fresh, x, dt, a, b, c, d, state_offset(acc), layout.page_rows
+            )
+
+        if tp == 1:
+            return step(region, pages, fresh, x, dt, a, b, c, d)
+        dup = acc.group_dup(tp)
+        b, c = duplicate(b, 1, dup), duplicate(c, 1, dup)
+        heads, shard = P(None, "tp", None), P("tp", None, None)
+        specs = (shard, P(), P(), heads, P(None, "tp"), P("tp"), heads, heads, P("tp"))
+        run = jax.shard_map(
+            step, mesh=layout.mesh, in_specs=specs, out_specs=(heads, shard), check_vma=False
+        )
+        return run(region, pages, fresh, x, dt, a, b, c, d)

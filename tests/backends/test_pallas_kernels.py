@@ -339,6 +339,16 @@ LOWERING_CASES = {
         (S((2, 100, 6, 64), BF), S((2, 100, 6), BF), S((6,), F32), S((2, 100, 1, 128), BF))
         + (S((2, 100, 1, 128), BF), S((6,), F32), S((2, 6, 64, 128), F32)),
     ),
+    "mamba2_step_paged": (
+        lambda *args: get_op("mamba2_step_paged", "pallas")(*args, 37, 8),
+        (S((1, 512, 48), I32), S((3,), I32), S((3,), I32), S((3, 4, 80), BF), S((3, 4), F32))
+        + (S((4,), F32), S((3, 2, 128), BF), S((3, 2, 128), BF), S((4,), F32)),
+    ),
+    "mamba2_step_paged_16gib_region": (  # offsets past 2**32 bytes: 64-bit indexing
+        lambda *args: get_op("mamba2_step_paged", "pallas")(*args, 37, 8),
+        (S((1, 2**26, 64), I32), S((3,), I32), S((3,), I32), S((3, 4, 80), BF), S((3, 4), F32))
+        + (S((4,), F32), S((3, 2, 128), BF), S((3, 2, 128), BF), S((4,), F32)),
+    ),
     "rms_norm": (
         lambda x, w: get_op("rms_norm", "pallas")(x, w, 1e-6),
         (S((3, 37, 80), BF), S((80,), BF)),

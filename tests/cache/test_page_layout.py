@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybridserve.cache.mamba_view import read_mamba
 from hybridserve.cache.page_layout import AttentionPage, MambaPage, held_range, page_layouts
 from hybridserve.cache.plan import plan_cache
 from hybridserve.cache.regions import build_layout
 from hybridserve.cache.spec import MambaSpec, layer_specs
-from hybridserve.cache.view import kv_pages, read_kv, read_mamba
+from hybridserve.cache.view import kv_pages, read_kv
 from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
 
 KB = 4

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybridserve.cache.mamba_view import read_mamba, write_mamba
 from hybridserve.cache.plan import plan_cache
 from hybridserve.cache.regions import build_layout
 from hybridserve.cache.spec import layer_specs
-from hybridserve.cache.view import kv_pages, read_mamba, write_mamba
+from hybridserve.cache.view import kv_pages
 from hybridserve.config import AttentionConfig, MambaConfig, ModelConfig
 from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
 

@@ -1,0 +1,135 @@
+"""`mamba2_step_paged` as a Pallas kernel: the one-token Mamba2 update where the state lies.
+
+Each program owns one (batch row, ssm head, block of P) and reads its state tile [bp, Ns]
+straight from the cache region (words, int32), at the word offsets its page id gives:
+    f = state_offset + h * P * Ns + p * Ns + n,   word (page * page_rows + f // Wd, f % Wd)
+(the region's row width Wd need not divide anything; an index array per tile, so a state may
+start and end anywhere in a row). Then, as `mamba2_step`,
+    s' = exp(dt a) s + dt (x outer b),   y = s' . c + d x
+and it stores s' over s through the aliased region (`input_output_aliases`): the state is
+read once and written once, with no gather, no scatter and no padding bytes moved. Rows on
+page 0 (the null page, padding) are not stored; a `fresh` row reads zeros. Head h reads group
+h // (Hs / G) of b and c. Tiles are powers of two with masks (P = 80 takes three tiles of 32
+rows; Ns pads to a power of two in registers only). The Triton lowering indexes with 64-bit
+offsets when the region exceeds 4 GiB.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from backends.pallas._common import interpret, next_pow2, triton_params
+from backends.protocol import register
+
+F32 = jnp.float32
+TILE = 4096  # state elements per program (32 a thread at 4 warps)
+
+
+def _kernel(
+    pages_ref,
+    fresh_ref,
+    x_ref,
+    dt_ref,
+    a_ref,
+    b_ref,
+    c_ref,
+    d_ref,
+    region_ref,
+    y_ref,
+    out_ref,
+    *,
+    p: int,
+    ns: int,
+    bp: int,
+    nsp: int,
+    rep: int,
+    width: int,
+    page_rows: int,
+    state_offset: int,
+):
+    # out_ref is region_ref's buffer (aliased): loads read region_ref, stores go to out_ref
+    i, h, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    page = pages_ref[i]
+    fresh = fresh_ref[i]
+    rows = k * bp + jax.lax.broadcasted_iota(jnp.int32, (bp,), 0)  # [bp] rows of P
+    cols = jax.lax.broadcasted_iota(jnp.int32, (nsp,), 0)  # [nsp]
+    row_ok, col_ok = rows < p, cols < ns
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    word = state_offset + h * (p * ns) + rows[:, None] * ns + cols[None, :]  # within the page
+    r_idx = page * page_rows + word // width
+    w_idx = word % width
+    raw = plgpu.load(region_ref.at[0, r_idx, w_idx], mask=tile_ok & (fresh == 0), other=0)
+    state = jax.lax.bitcast_convert_type(raw, F32)
+    x = plgpu.load(x_ref.at[i, h, rows], mask=row_ok, other=0).astype(F32)  # [bp]
+    g = h // rep
+    b = plgpu.load(b_ref.at[i, g, cols], mask=col_ok, other=0).astype(F32)  # [nsp]
+    c = plgpu.load(c_ref.at[i, g, cols], mask=col_ok, other=0).astype(F32)
+    dt = dt_ref[i, h].astype(F32)
+    new = jnp.exp(dt * a_ref[h].astype(F32)) * state + (dt * x)[:, None] * b[None, :]
+    new_raw = jax.lax.bitcast_convert_type(new, jnp.int32)
+    plgpu.store(out_ref.at[0, r_idx, w_idx], new_raw, mask=tile_ok & (page > 0))
+    y = jnp.sum(new * c[None, :], axis=1) + d_ref[h].astype(F32) * x
+    plgpu.store(y_ref.at[i, h, rows], y.astype(y_ref.dtype), mask=row_ok)
+
+
+@register("mamba2_step_paged", "pallas")
+def mamba2_step_paged(
+    region: jax.Array,
+    pages: jax.Array,
+    fresh: jax.Array,
+    x: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    d: jax.Array,
+    state_offset: int,
+    page_rows: int,
+) -> tuple[jax.Array, jax.Array]:
+    if region.dtype != jnp.int32 or region.ndim != 3 or region.shape[0] != 1:
+        raise ValueError(f"region must be int32 words [1, R, Wd], got {region.dtype}{region.shape}")
+    bsz, nh, p = x.shape
+    groups, ns = b.shape[1], b.shape[2]
+    if nh % groups:
+        raise ValueError(f"{nh} ssm heads do not split into {groups} groups")
+    nsp = next_pow2(ns)
+    bp = min(next_pow2(p), max(1, TILE // nsp))
+    kernel = functools.partial(
+        _kernel,
+        p=p,
+        ns=ns,
+        bp=bp,
+        nsp=nsp,
+        rep=nh // groups,
+        width=region.shape[2],
+        page_rows=page_rows,
+        state_offset=state_offset,
+    )
+    y, region = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((bsz, nh, p), x.dtype),
+            jax.ShapeDtypeStruct(region.shape, region.dtype),
+        ),
+        grid=(bsz, nh, pl.cdiv(p, bp)),
+        input_output_aliases={8: 1},
+        interpret=interpret(),
+        compiler_params=triton_params(num_warps=4),
+        name="mamba2_step_paged",
+    )(
+        pages.astype(jnp.int32),
+        fresh.astype(jnp.int32),
+        x,
+        dt,
+        a.astype(F32),
+        b,
+        c,
+        d.astype(F32),
+        region,
+    )
+    return y, region
