@@ -212,7 +212,7 @@ class PagedAttention(Protocol):
         self,
         q: Array,
         k_pages: Array,
-        v_pages: Array,
+        v_pages: Array | None,
         block_table: Array,
         q_positions: Array,
         kv_lengths: Array,
@@ -237,11 +237,23 @@ class PagedAttention(Protocol):
 
         Args:
           q: [B, T, N, H]. k_pages, v_pages: [Pg, K, page, H] (head-major pages, the cache
-          layout) with N % K == 0. block_table: [B, nblk] int32 page ids (covering every visible
-          key of the row). q_positions: [B, T] int32 absolute positions. kv_lengths: [B] int32.
+          layout) with N % K == 0; or k_pages [Pg, 2, K, page, H], each page's K then its V
+          (the region's own layout, `split_kv`), and v_pages None: a kernel then reads both
+          halves of the one array, which no slice has copied. block_table: [B, nblk] int32 page
+          ids (covering every visible key of the row). q_positions: [B, T] int32 absolute
+          positions. kv_lengths: [B] int32.
           rel_q: [B, T, N, R]; rel_table: [num_buckets, R]; rel_bias: the bucketing.
         Returns: [B, T, N, H] in q's dtype.
         """
+
+
+def split_kv(k_pages: Array, v_pages: Array | None) -> tuple[Array, Array]:
+    """`paged_attention`'s pages as separate K and V ([Pg, K, page, H] each) in either form."""
+    if v_pages is not None:
+        return k_pages, v_pages
+    if k_pages.ndim != 5 or k_pages.shape[1] != 2:
+        raise ValueError(f"joint K|V pages must be [Pg, 2, K, page, H], got {k_pages.shape}")
+    return k_pages[:, 0], k_pages[:, 1]
 
 
 class GroupedMatmul(Protocol):
@@ -339,14 +351,26 @@ def get_op(op: str, backend: str) -> Callable:
         raise BackendError(f"backend {backend!r} has no implementation of op {op!r}") from None
 
 
+def default_backend(platform: str | None = None) -> str:
+    """What `"auto"` means on `platform` (default: jax's): the fastest backend measured there.
+    On an H200 the pallas decode step beat xla at batch 1, 8 and 64 (BENCHMARKS.md, the decode
+    step); elsewhere the reference."""
+    platform = jax.default_backend() if platform is None else platform
+    return "pallas" if platform in ("gpu", "cuda") else "xla"
+
+
 def load_ops(backend: str = "xla", fallback: str | None = None) -> Ops:
     """Resolve every op for `backend`. Ops it lacks come from `fallback` only when one is given
     (e.g. `fallback="xla"`); otherwise a missing op raises `BackendError`.
 
     `backend` may name ops taken from other backends after a comma:
     `"xla,mamba2_step_paged=pallas"` is the xla table with the pallas state update (for
-    measuring one kernel inside the engine); `Ops.backend` is then that whole string."""
+    measuring one kernel inside the engine); `Ops.backend` is then that whole string. `"auto"`
+    is `default_backend()`."""
     base, *picks = (part.strip() for part in backend.split(","))
+    if base == "auto":
+        base = default_backend()
+        backend = ",".join([base, *picks])
     overrides = {}
     for pick in picks:
         op, sep, name = pick.partition("=")

@@ -205,6 +205,15 @@ def main(argv: list[str] | None = None) -> dict:
     args.bandwidth = copy_bandwidth(args.copy_mib)
     print(f"copy bandwidth (read + write): {args.bandwidth / 1e12:.3f} TB/s", flush=True)
     rows = []
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
+        "device": f"{device.platform}: {device.device_kind}",
+        "jax_version": jax.__version__,
+        "copy_gbps": args.bandwidth / 1e9,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or random_models.write_config(args.shape, tmp)
         for backend in args.backend:
@@ -225,20 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
             for b in args.batch:
                 rows.append({"backend": backend, **bench_batch(llm, b, args)})
                 print(json.dumps(rows[-1]), flush=True)
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    args.json.write_text(json.dumps(result, indent=2))
             del llm  # free its weights and pool before the next backend's
             gc.collect()
     print_table(rows)
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "commit": args.commit,
-        "device": f"{device.platform}: {device.device_kind}",
-        "jax_version": jax.__version__,
-        "copy_gbps": args.bandwidth / 1e9,
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "rows": rows,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
     return result
 
 

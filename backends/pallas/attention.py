@@ -26,6 +26,10 @@ so only the buckets `bucket(dmin)` to `bucket(dmax)` occur: a tile spanning one 
 column (no masks); tiles near the diagonal loop over their buckets, adding each column where the
 distance falls in that bucket's range. No [T, S] array is ever formed.
 
+K and V come as two arrays or as the region's own joint view [Pg, 2, K, page, H], whose two
+halves two BlockSpecs index (K at index 0 of axis 1, V at 1): no slice copies the cache (a
+slice of each half fed to the kernel is materialised whole, every layer, every step).
+
 Triton on GPU needs power-of-two tiles: pages (the kernel block) must be a power of two, and the
 wrapper pads the head dim (copying the cache when it is not a power of two, e.g. 80) and R.
 """
@@ -168,7 +172,7 @@ def _kernel(
 def paged_attention_tiled(
     q: jax.Array,
     k_pages: jax.Array,
-    v_pages: jax.Array,
+    v_pages: jax.Array | None,
     block_table: jax.Array,
     q_positions: jax.Array,
     kv_lengths: jax.Array,
@@ -186,7 +190,10 @@ def paged_attention_tiled(
     """`paged_attention` with explicit tiles: `block_m` query rows (tokens x heads of a kv
     group) and `block_k` keys per step (rounded to whole pages); the benchmark sweeps them."""
     bsz, t, nq, hd = q.shape
-    _, nkv, page, _ = k_pages.shape
+    joint = v_pages is None  # [Pg, 2, K, page, H]: both halves read from the one array
+    if joint and (k_pages.ndim != 5 or k_pages.shape[1] != 2):
+        raise ValueError(f"joint K|V pages must be [Pg, 2, K, page, H], got {k_pages.shape}")
+    nkv, page = k_pages.shape[-3], k_pages.shape[-2]
     ratio = nq // nkv
     interp = interpret()
     if not interp and page & (page - 1):
@@ -206,18 +213,26 @@ def paged_attention_tiled(
 
     pos = jnp.repeat(q_positions.astype(jnp.int32), ratio, axis=1)
     pos = jnp.pad(pos, ((0, 0), (0, mp - rows)), mode="edge")
-    k_p, v_p = pad_axis(k_pages, 3, hp), pad_axis(v_pages, 3, hp)
     row_spec = lambda w: pl.BlockSpec((None, None, bm, w), lambda b, h, i: (b, h, i, 0))  # noqa: E731
-    page_spec = pl.BlockSpec((k_p.shape[0], None, page, hp), lambda b, h, i: (0, h, 0, 0))
+    if joint:
+        kv_p = pad_axis(k_pages, 4, hp)
+        block = (kv_p.shape[0], None, None, page, hp)
+        page_specs = [
+            pl.BlockSpec(block, lambda b, h, i, half=half: (0, half, h, 0, 0)) for half in (0, 1)
+        ]
+        pages_args = [kv_p, kv_p]
+    else:
+        k_p, v_p = pad_axis(k_pages, 3, hp), pad_axis(v_pages, 3, hp)
+        spec = pl.BlockSpec((k_p.shape[0], None, page, hp), lambda b, h, i: (0, h, 0, 0))
+        page_specs, pages_args = [spec, spec], [k_p, v_p]
     in_specs = [
         pl.BlockSpec((None, nblk), lambda b, h, i: (b, 0)),
         pl.BlockSpec((1,), lambda b, h, i: (b,)),
         pl.BlockSpec((None, bm), lambda b, h, i: (b, i)),
         row_spec(hp),
-        page_spec,
-        page_spec,
+        *page_specs,
     ]
-    args = [table, kv_lengths.astype(jnp.int32), pos, fold(q, hp), k_p, v_p]
+    args = [table, kv_lengths.astype(jnp.int32), pos, fold(q, hp), *pages_args]
     rel = rel_bias is not None
     if rel:
         rp = next_pow2(rel_q.shape[-1])
@@ -259,7 +274,7 @@ def paged_attention_tiled(
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
-    v_pages: jax.Array,
+    v_pages: jax.Array | None,
     block_table: jax.Array,
     q_positions: jax.Array,
     kv_lengths: jax.Array,
@@ -270,7 +285,7 @@ def paged_attention(
     rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
     # Decode steps over small pages were fastest with 32-key blocks on an H200 (BENCHMARKS.md).
-    block_k = 32 if q.shape[1] == 1 and k_pages.shape[2] < 32 else 64
+    block_k = 32 if q.shape[1] == 1 and k_pages.shape[-2] < 32 else 64
     return paged_attention_tiled(
         q, k_pages, v_pages, block_table, q_positions, kv_lengths, scale, sliding_window,
         rel_q, rel_table, rel_bias, block_k=block_k,

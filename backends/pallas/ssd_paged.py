@@ -91,6 +91,32 @@ def mamba2_step_paged(
     state_offset: int,
     page_rows: int,
 ) -> tuple[jax.Array, jax.Array]:
+    args = (region, pages, fresh, x, dt, a, b, c, d, state_offset, page_rows)
+    # Measured on an H200 (Nano-9B-v2 layer, BENCHMARKS.md): while the grid is small, larger
+    # tiles (batch 8: 4096 elements at 0.50 of the copy bandwidth, 2048 at 0.36); once it is
+    # large, smaller ones (batch 64: 2048 at 0.81, 4096 at 0.72).
+    tile = TILE if x.shape[0] * x.shape[1] < 4096 else TILE // 2
+    return mamba2_step_paged_tiled(*args, tile=tile)
+
+
+def mamba2_step_paged_tiled(
+    region: jax.Array,
+    pages: jax.Array,
+    fresh: jax.Array,
+    x: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    d: jax.Array,
+    state_offset: int,
+    page_rows: int,
+    *,
+    tile: int = TILE,
+    num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array]:
+    """`mamba2_step_paged` with explicit tiles: about `tile` state elements per program
+    (rows of P times the padded Ns) and `num_warps`; the benchmark sweeps them."""
     if region.dtype != jnp.int32 or region.ndim != 3 or region.shape[0] != 1:
         raise ValueError(f"region must be int32 words [1, R, Wd], got {region.dtype}{region.shape}")
     bsz, nh, p = x.shape
@@ -98,7 +124,7 @@ def mamba2_step_paged(
     if nh % groups:
         raise ValueError(f"{nh} ssm heads do not split into {groups} groups")
     nsp = next_pow2(ns)
-    bp = min(next_pow2(p), max(1, TILE // nsp))
+    bp = min(next_pow2(p), max(1, tile // nsp))
     kernel = functools.partial(
         _kernel,
         p=p,
@@ -119,7 +145,7 @@ def mamba2_step_paged(
         grid=(bsz, nh, pl.cdiv(p, bp)),
         input_output_aliases={8: 1},
         interpret=interpret(),
-        compiler_params=triton_params(num_warps=4),
+        compiler_params=triton_params(num_warps=num_warps),
         name="mamba2_step_paged",
     )(
         pages.astype(jnp.int32),

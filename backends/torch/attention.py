@@ -7,7 +7,7 @@ import jax
 import torch
 import torch.nn.functional as F
 
-from backends.protocol import RelativeBias, register
+from backends.protocol import RelativeBias, register, split_kv
 from backends.torch.bridge import call
 
 
@@ -22,7 +22,7 @@ def _gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
-    v_pages: jax.Array,
+    v_pages: jax.Array | None,
     block_table: jax.Array,
     q_positions: jax.Array,
     kv_lengths: jax.Array,
@@ -32,6 +32,7 @@ def paged_attention(
     rel_table: jax.Array | None = None,
     rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
+    k_pages, v_pages = split_kv(k_pages, v_pages)
     bounds = None if rel_bias is None else rel_bias.boundaries()
 
     def fn(qt, kp, vp, table, pos, kv_len, *rel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from backends.protocol import RelativeBias, register
+from backends.protocol import RelativeBias, register, split_kv
 
 F32 = jnp.float32
 
@@ -33,7 +33,7 @@ def visible_keys(
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
-    v_pages: jax.Array,
+    v_pages: jax.Array | None,
     block_table: jax.Array,
     q_positions: jax.Array,
     kv_lengths: jax.Array,
@@ -43,6 +43,7 @@ def paged_attention(
     rel_table: jax.Array | None = None,
     rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
+    k_pages, v_pages = split_kv(k_pages, v_pages)
     bsz, t, nq, hd = q.shape
     k = gather_pages(k_pages, block_table).astype(F32)  # [B, S, K, H]
     v = gather_pages(v_pages, block_table).astype(F32)

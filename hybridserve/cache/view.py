@@ -287,10 +287,10 @@ def kv_pages(region: jax.Array, acc: AttentionAccess, tp: int) -> tuple[jax.Arra
     return full[:, 0], full[:, 1]
 
 
-def kv_pages_local(shard: jax.Array, acc: AttentionAccess) -> tuple[jax.Array, jax.Array]:
-    """One rank's shard of a region ([1, rows, words], inside `shard_map`) as its K and V pages
-    `[kernel blocks, heads_local, kb, H]` each: a bitcast and a reshape of its own bytes, with
-    duplicated heads kept (rank r holds global KV head (r * heads_local + j) // dup)."""
+def kv_pages_local(shard: jax.Array, acc: AttentionAccess) -> jax.Array:
+    """One rank's shard of a region ([1, rows, words]: inside `shard_map`, or the region at
+    TP 1) as its joint K|V pages `[kernel blocks, 2, heads_local, kb, H]` (`paged_attention`'s
+    joint form): a bitcast and a reshape of its own bytes, with duplicated heads kept (rank r
+    holds global KV head (r * heads_local + j) // dup)."""
     typed = from_raw(shard, acc.dtype, (acc.head_dim,))  # [1, rows, H]
-    pages = typed.reshape(-1, *acc.page.kernel_page_shape)  # [blocks, K|V, heads_local, kb, H]
-    return pages[:, 0], pages[:, 1]
+    return typed.reshape(-1, *acc.page.kernel_page_shape)  # [blocks, K|V, heads_local, kb, H]

@@ -133,16 +133,17 @@ class EngineConfig:
     """Everything an `LLMEngine` is built from (the tree in the module docstring).
 
     `model`: the model directory. `dtype`: "float32" or "bfloat16" (None keeps the checkpoint's).
-    `backend`: the op backend ("xla", "pallas", "torch"). `seed`: base seed of requests whose
-    SamplingParams carry none, and of dummy weights. `load_format`: "auto" reads the checkpoint,
-    "dummy" draws random weights. `max_model_len`: longest prompt + output in tokens; the
-    scheduler's `max_model_len` follows it (the engine lowers both to the model's
-    `max_position_embeddings`). Build one with `from_kwargs`.
+    `backend`: the op backend ("auto": pallas on GPUs, xla elsewhere; "xla", "pallas",
+    "torch"). `seed`: base seed of requests whose SamplingParams carry none, and of dummy
+    weights. `load_format`: "auto" reads the checkpoint, "dummy" draws random weights.
+    `max_model_len`: longest prompt + output in tokens; the scheduler's `max_model_len` follows
+    it (the engine lowers both to the model's `max_position_embeddings`). Build one with
+    `from_kwargs`.
     """
 
     model: str
     dtype: str | None = None
-    backend: str = "xla"
+    backend: str = "auto"
     seed: int = 0
     load_format: str = "auto"
     max_model_len: int = 2048

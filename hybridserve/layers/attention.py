@@ -91,7 +91,9 @@ class Attention(nnx.Module):
             rel_q, rel_table = self.r_proj(x), self.rel_table[...]
         mesh = inputs.layout.mesh
         where = (table, inputs.positions, inputs.kv_lengths)
-        if tp > 1 and mesh is not None and self.cfg.num_heads % tp == 0:
+        if tp == 1:  # the region as joint K|V pages: no slice copies it
+            out = self._attend(q, kv_pages_local(region, acc), None, where, rel_q, rel_table)
+        elif mesh is not None and self.cfg.num_heads % tp == 0:
             out = self._per_rank(q, region, where, acc, mesh, rel_q, rel_table)
         else:
             k_pages, v_pages = kv_pages(region, acc, tp)
@@ -102,7 +104,7 @@ class Attention(nnx.Module):
         self,
         q: jax.Array,
         k_pages: jax.Array,
-        v_pages: jax.Array,
+        v_pages: jax.Array | None,
         where: tuple[jax.Array, jax.Array, jax.Array],
         rel_q: jax.Array | None,
         rel_table: jax.Array | None,
@@ -145,10 +147,10 @@ class Attention(nnx.Module):
             specs += [heads, P()]
 
         def local(q_r, shard, table, positions, kv_lengths, *rel):
-            k_pages, v_pages = kv_pages_local(shard, acc)
             rel_q_r, rel_table_r = rel if rel else (None, None)
             where_r = (table, positions, kv_lengths)
-            return self._attend(q_r, k_pages, v_pages, where_r, rel_q_r, rel_table_r)
+            pages = kv_pages_local(shard, acc)
+            return self._attend(q_r, pages, None, where_r, rel_q_r, rel_table_r)
 
         run = jax.shard_map(
             local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False

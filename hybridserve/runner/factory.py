@@ -17,7 +17,7 @@ def make_runner(
     *,
     dtype: str | None = None,
     tp: int = 1,
-    backend: str = "xla",
+    backend: str = "auto",
     cache: CacheConfig | None = None,
     max_model_len: int = 2048,
     max_num_seqs: int = 8,

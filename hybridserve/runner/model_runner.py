@@ -17,6 +17,7 @@ Lifecycle:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,23 +69,25 @@ def unpack_ints(flat: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[ja
     return out
 
 
-@jax.jit
-def _take_rows(sources: list[jax.Array], rows: jax.Array) -> jax.Array:
-    return jnp.concatenate(sources, axis=0)[rows]
+@functools.partial(jax.jit, static_argnames=("squeeze",))
+def _take_rows(sources: list[jax.Array], rows: jax.Array, squeeze: bool) -> jax.Array:
+    picked = jnp.concatenate(sources, axis=0)[rows]
+    return picked[:, 0] if squeeze else picked
 
 
 def _gather_rows(
-    got: dict[str, tuple[int, int]], order: list[str], sources: list[jax.Array]
+    got: dict[str, tuple[int, int]], order: list[str], sources: list[jax.Array], squeeze: bool
 ) -> jax.Array | None:
     """The rows of `order` from the programs' logits, padded to a power of two (the padding
-    repeats the first row), so that a few shapes serve every batch."""
+    repeats the first row), so that a few shapes serve every batch; `squeeze` drops axis 1
+    (one logit per row) in the same program."""
     if not order:
         return None
     offsets = np.cumsum([0] + [s.shape[0] for s in sources])
     rows = np.zeros(bucket(len(order)), np.int32)
     rows[: len(order)] = [offsets[got[r][0]] + got[r][1] for r in order]
     rows[len(order) :] = rows[0]
-    return _take_rows(sources, jnp.asarray(rows))
+    return _take_rows(sources, jnp.asarray(rows), squeeze)
 
 
 class ModelRunner:
@@ -322,8 +325,6 @@ class ModelRunner:
                 continue
             batch = build_batch(chunks, self.plan, self.max_model_len, min_tokens)
             logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden)
-            if n_logits == 1:
-                logits = logits[:, 0]
             if keep_hidden:
                 passes.append(StepPass(chunks, batch, hidden))
             for i, c in enumerate(chunks):
@@ -331,7 +332,7 @@ class ModelRunner:
                     got[c.req_id] = (len(sources), i)
             sources.append(logits)
         order = [c.req_id for c in out.chunks if c.sample]
-        return StepLogits(order, _gather_rows(got, order, sources), passes)
+        return StepLogits(order, _gather_rows(got, order, sources, n_logits == 1), passes)
 
     def warmup(self, max_num_seqs: int, max_prefill_chunk: int) -> int:
         """Compile every program `execute` can need for batches of up to `max_num_seqs` rows and

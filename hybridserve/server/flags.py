@@ -32,9 +32,9 @@ ENGINE_FLAGS = (
     EngineFlag(
         ("--backend",),
         "backend",
-        "op backend; xla is the reference",
+        "op backend (auto: pallas on GPUs, xla elsewhere; xla is the reference)",
         str,
-        ("xla", "pallas", "torch"),
+        ("auto", "xla", "pallas", "torch"),
     ),
     EngineFlag(
         ("--tensor-parallel-size", "-tp"), "tensor_parallel_size", "devices to shard the model over"

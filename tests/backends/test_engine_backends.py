@@ -46,3 +46,19 @@ def test_greedy_tokens_match_xla(hf_checkpoint, backend, family):
     assert all(len(tokens) == 16 for tokens in ref)
     assert len({t for tokens in ref for t in tokens}) > 8, "weak test: few distinct tokens"
     assert _greedy(directory, backend) == ref
+
+
+def test_auto_backend_and_per_op_overrides():
+    """"auto" is the reference on the CPU and pallas on GPUs; "BASE,OP=OTHER" takes one op
+    from another backend; a malformed override is refused with the ops it may name."""
+    from backends.protocol import default_backend, get_op
+
+    assert default_backend("cpu") == "xla" and default_backend("gpu") == "pallas"
+    ops = load_ops("auto")
+    assert ops.backend == "xla" and ops.mamba2_step is get_op("mamba2_step", "xla")
+    mixed = load_ops("xla,mamba2_step_paged=pallas")
+    assert mixed.mamba2_step_paged is get_op("mamba2_step_paged", "pallas")
+    assert mixed.paged_attention is get_op("paged_attention", "xla")
+    for bad in ("xla,mamba2_step_paged", "xla,no_such_op=pallas", "xla,rms_norm=nope"):
+        with pytest.raises(BackendError):
+            load_ops(bad)

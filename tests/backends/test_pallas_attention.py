@@ -84,3 +84,51 @@ def test_both_page_paths_lower_to_triton(page, rel, monkeypatch):
         disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
     )(*args)
     assert triton in exported.mlir_module()
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas", "torch"])
+@pytest.mark.parametrize("window,rel", [(None, False), (6, True)])
+def test_joint_kv_pages_equal_separate(backend, window, rel):
+    """The joint form (one [Pg, 2, K, page, H] array, v_pages None: the region's own layout)
+    gives what the two arrays give, in each backend; against the xla reference on separate
+    pages (NaN-poisoned caches), float32, 2e-5 of the output scale."""
+    from backends.protocol import BackendError
+
+    try:
+        op = get_op("paged_attention", backend)
+    except BackendError as err:
+        pytest.skip(str(err))
+    page, t, kv, ratio, hd = 4, 5, 2, 3, 16
+    starts, kv_len = np.array([0, 11, 3]), np.array([t, 12, 3 + t])
+    (q, k_pages, v_pages, table, pos), kv_len, rq, tab = _paged_inputs(
+        _rng("joint", backend, window, rel), 3, t, kv * ratio, kv, hd, page, jnp.float32,
+        starts, kv_len,
+    )  # fmt: skip
+    spec = RelativeBias(num_buckets=10, num_exact=3, max_distance=20) if rel else None
+    extra = (rq, tab, spec) if rel else (None, None, None)
+    joint = jnp.stack([k_pages, v_pages], axis=1)
+    got = jax.jit(lambda *a: op(q, a[0], None, *a[1:], 0.25, window, *extra))(
+        joint, table, pos, kv_len
+    )
+    ref = jax.jit(lambda *a: get_op("paged_attention", "xla")(*a, 0.25, window, *extra))(
+        q, k_pages, v_pages, table, pos, kv_len
+    )
+    _check(got, ref, jnp.float32)
+
+
+def test_joint_kv_pages_lower_to_triton(monkeypatch):
+    """The joint form's two BlockSpecs over one array lower for CUDA on this machine."""
+    from jax import export
+
+    monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
+    s, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    args = (s((3, 1, 8, 128), bf), s((40, 2, 2, 16, 128), bf))
+    args += (s((3, 7), i32), s((3, 1), i32), s((3,), i32))
+    triton = "__gpu$xla.gpu.triton"
+    op = get_op("paged_attention", "pallas")
+    exported = export.export(
+        jax.jit(lambda q, kv, *a: op(q, kv, None, *a, 0.1, None)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+    )(*args)
+    assert triton in exported.mlir_module()

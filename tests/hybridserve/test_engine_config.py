@@ -28,11 +28,12 @@ from hybridserve.server.flags import (
 )
 from hybridserve.server.launch import parse_kv_transfer_config
 
-# The defaults of `LLM(...)`, the old flat `EngineConfig` and the CLI before the one config.
+# The defaults of `LLM(...)`, the old flat `EngineConfig` and the CLI before the one config
+# (the backend since became "auto": the fastest measured on the device, xla on the CPU).
 OLD_DEFAULTS = {
     "dtype": None,
     "tensor_parallel_size": 1,
-    "backend": "xla",
+    "backend": "auto",
     "max_model_len": 2048,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 512,
