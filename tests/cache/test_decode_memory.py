@@ -6,7 +6,9 @@ Compiled memory analysis of the decode step of a random-weight model (`scripts/r
 1% of the region bytes. A whole-region copy, a slice of the K or V half of a region, or the
 whole-page state gathers of before all exceed it. On the GPU, with the default backend (the
 pallas kernels compiled); on the CPU the pallas kernels run in interpret mode, which copies
-the refs it writes, so the test asks for a GPU.
+the refs it writes, so the test asks for a GPU. The suite's conftest makes jax use the CPU
+unless JAX_PLATFORMS says otherwise: on a GPU machine run
+    JAX_PLATFORMS=cuda python -m pytest tests/cache/test_decode_memory.py
 """
 
 from __future__ import annotations
