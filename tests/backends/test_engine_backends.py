@@ -49,7 +49,7 @@ def test_greedy_tokens_match_xla(hf_checkpoint, backend, family):
 
 
 def test_auto_backend_and_per_op_overrides():
-    """ "auto" is the reference on the CPU and pallas on GPUs; "BASE,OP=OTHER" takes one op
+    """Backend "auto" is the reference on the CPU and pallas on GPUs; "BASE,OP=OTHER" takes one op
     from another backend; a malformed override is refused with the ops it may name."""
     from backends.protocol import default_backend, get_op
 
