@@ -28,12 +28,14 @@ import dataclasses
 from hybridserve.config import EngineConfig
 from hybridserve.core.connector import create_connector
 from hybridserve.core.kv_transfer import KVTransfers
+from hybridserve.core.outputs import PENDING_TOKEN
 from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.output_processor import OutputProcessor
 from hybridserve.outputs import RequestOutput, local_prefill_output
 from hybridserve.prompt_check import prompt_token_ids
 from hybridserve.runner.factory import make_runner
+from hybridserve.runner.inflight import InFlight
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
@@ -91,6 +93,11 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs produced outside a model step
         if config.speculative is not None:
             self.runner.enable_speculation(config.speculative)
+        # overlapped steps (`_step_overlapped`): not with drafts to verify or P/D transfers
+        self._overlap = (
+            config.scheduler.async_scheduling and config.speculative is None and self.kv is None
+        )
+        self._flight: InFlight | None = None  # the step whose tokens are still on the device
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of a prompt, or ValueError saying what is wrong with it."""
@@ -215,10 +222,18 @@ class LLMEngine:
         return len(self.scheduler.held)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.has_unfinished() or self.kv or self._ready)
+        """Work left: requests, P/D transfers, outputs to hand out, or a step in flight with a
+        token for a request still reported on (one whose requests were all aborted is not)."""
+        flight = self._flight
+        in_flight = flight is not None and any(self.outputs.tracks(r) for r in flight.req_ids)
+        return bool(self.scheduler.has_unfinished() or self.kv or self._ready or in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; outputs of every request that got a token in it."""
+        """Run one scheduled step; outputs of every request that got a token in it. With
+        `async_scheduling` the step's tokens are still on the device when it returns: the
+        outputs are those of the step before (`_step_overlapped`)."""
+        if self._overlap:
+            return self._step_overlapped()
         self.poll_transfers()
         ready, self._ready = self._ready, []
         try:
@@ -234,6 +249,42 @@ class LLMEngine:
         outputs = self.outputs.process(result.sampled, result.logprobs, finished)
         if self.runner.spec is not None:  # the next drafts, for the requests still running
             self.scheduler.set_drafts(self.runner.propose(self.scheduler.draft_rooms(out)))
+        for o in outputs:
+            if o.finished:
+                self.runner.remove_request(o.request_id)
+        return ready + outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """One call with step N in flight (its tokens on the device):
+        1. the scheduler records N with a pending token per sampling request (length stops
+           apply here);
+        2. it schedules N+1, which the runner dispatches with N's tokens read on the device;
+        3. N's tokens reach the host (the device has N+1 queued behind them) and settle: an
+           EOS or stop token finishes its request now, and N+1's extra token for it is dropped
+           when N+1 is recorded;
+        4. the output processor turns N's tokens into outputs while N+1 runs.
+        The first call only dispatches; `has_unfinished` stays true while a step is in flight."""
+        ready, self._ready = self._ready, []
+        flight, updated = self._flight, []
+        if flight is not None:
+            pending = {r: [PENDING_TOKEN] for r in flight.req_ids}
+            updated = self.scheduler.update_from_output(flight.out, pending)
+        self._flight = None
+        try:
+            out = self.scheduler.schedule()
+        except PoolTooSmall as err:  # that request can never run here: fail it, keep serving
+            self.scheduler.finish_request(err.req_id, "abort", stop_reason=str(err))
+            self._gave_up(err.req_id, str(err))
+            out = None
+        if out is not None and not out.is_empty:
+            self._flight = self.runner.dispatch(out, flight)
+        ready, self._ready = ready + self._ready, []
+        if flight is None:
+            return ready
+        result = self.runner.resolve(flight)
+        settled = self.scheduler.settle(flight.out, result.sampled, updated)
+        finished = {r.req_id for r in settled}
+        outputs = self.outputs.process(result.sampled, result.logprobs, finished)
         for o in outputs:
             if o.finished:
                 self.runner.remove_request(o.request_id)

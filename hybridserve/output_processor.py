@@ -120,6 +120,10 @@ class OutputProcessor:
             detok,
         )
 
+    def tracks(self, req_id: str) -> bool:
+        """Is the request still to be reported on?"""
+        return req_id in self._tracked
+
     def remove(self, req_id: str) -> bool:
         """Forget a request (aborted); False when it was not tracked."""
         return self._tracked.pop(req_id, None) is not None

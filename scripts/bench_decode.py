@@ -11,6 +11,8 @@ One run, one device:
        forward: the jitted decode program (model + lm_head for B rows, cache in place), called
                 --steps times back to back (host work overlaps the device), per call;
        engine:  `LLMEngine.step()` (schedule, program, sampling, token to host), per call;
+                overlapped by default (the next step dispatched before this one's tokens
+                arrive; --no-async-scheduling: one at a time);
        kernels: GPU kernels per forward call and their summed time (a profile of 5 calls);
        matmul:  every dense weight the step reads, multiplied by a [B, in] activation in one jitted
                 program: the GEMV/GEMM time XLA alone gets from these weights;
@@ -188,6 +190,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--max-num-seqs", type=int, default=256, help="rows the engine is sized for (256)")
     add("--commit", default="", help="the code's commit, for the JSON")
+    add(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="engine steps one at a time (default: overlapped)",
+    )
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write the results here")
     add("--trace", type=Path, help="keep the profiles of 5 forward calls in DIR/<backend>_b<B>")
@@ -228,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
                 max_prefill_chunk=args.context,
                 cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
                 enable_prefix_caching=False,
+                async_scheduling=args.async_scheduling,
                 load_format="auto" if args.model else "dummy",
                 progress=False,
             )

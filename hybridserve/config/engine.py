@@ -66,7 +66,10 @@ class SchedulerConfig:
     largest divisor of the attention block that is a kernel-block multiple <= 256).
     `max_held_fraction`: the most of the pool that finished P/D prefill requests may hold for
     their decode side; past it new prefill-for-decode requests wait (held pages return when
-    read, released or at the end of their lease)."""
+    read, released or at the end of their lease). `async_scheduling`: schedule and dispatch
+    step N+1 while step N runs, its sampled tokens fed to N+1 on the device (stop rules apply
+    one step late; the extra token is dropped); speculative decoding and P/D engines step
+    one at a time."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
@@ -75,6 +78,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     prefix_unit: int | None = None
     max_held_fraction: float = 0.75
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -228,6 +232,7 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),
     "prefix_unit": ("scheduler", "prefix_unit"),
     "max_held_fraction": ("scheduler", "max_held_fraction"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
     "block_size": ("cache", "block_size"),
 }
 # keyword of a whole sub-config -> (EngineConfig field, its class)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# A token sampled by a step still on the device (overlapped steps): the scheduler appends it to
+# the request and schedules the next step with it; the runner reads the real id on the device,
+# and the engine settles it on the host when that step's tokens arrive.
+PENDING_TOKEN = -1
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:

@@ -123,6 +123,17 @@ class Request:
             return tuple(self.output_token_ids[start - n : stop - n])
         return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids[: stop - n])
 
+    def stop_token(self, token: int) -> tuple[str, int | None] | None:
+        """(finish reason, stop reason) when `token`, as the newest output, is an EOS or stop
+        token that counts (`min_tokens` outputs exist); else None."""
+        if len(self.output_token_ids) < self.min_tokens:
+            return None
+        if token in self.eos_token_ids:
+            return "stop", None
+        if token in self.stop_token_ids:
+            return "stop", token
+        return None
+
     def check_stop(self, max_model_len: int) -> bool:
         """After an output token was appended: set status and finish_reason if it ends the
         request. EOS and stop tokens count only once `min_tokens` outputs exist; then

@@ -36,7 +36,7 @@ from collections import deque
 from hybridserve.cache.plan import CachePlan
 from hybridserve.config import SchedulerConfig
 from hybridserve.core.cache_manager import CacheCoordinator
-from hybridserve.core.outputs import RemoteSlots, ScheduledChunk, SchedulerOutput
+from hybridserve.core.outputs import PENDING_TOKEN, RemoteSlots, ScheduledChunk, SchedulerOutput
 from hybridserve.core.prefix_cache import PrefixCacheStats
 from hybridserve.core.request import Request, RequestStatus
 
@@ -227,6 +227,34 @@ class Scheduler:
         self.coordinator.finish_step()
         for request in finished:
             self._retire(request, keep_state=True)
+        return finished
+
+    def settle(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], updated: list[Request]
+    ) -> list[Request]:
+        """Overlapped steps: `out` was updated with `PENDING_TOKEN`s (its finished requests,
+        by length: `updated`), the next step scheduled since; these are its real tokens. Each
+        replaces its request's newest output; one that is an EOS or stop token finishes its
+        request now (or corrects the reason of one the update finished by length). Returns
+        the requests that finished in `out`."""
+        done = {r.req_id: r for r in updated}
+        finished = list(updated)
+        for chunk in out.chunks:
+            tokens = sampled.get(chunk.req_id)
+            request = done.get(chunk.req_id) or self.requests.get(chunk.req_id)
+            if not chunk.sample or not tokens or request is None:
+                continue  # aborted or finished meanwhile
+            outputs = request.output_token_ids
+            if not outputs or outputs[-1] != PENDING_TOKEN:
+                continue  # preempted and recomputed: not this step's token
+            outputs[-1] = int(tokens[0])
+            stop = request.stop_token(outputs[-1])
+            if stop is None:
+                continue
+            if chunk.req_id in done:
+                request.finish(*stop)
+            elif self.finish_request(chunk.req_id, *stop) is not None:
+                finished.append(request)
         return finished
 
     def draft_rooms(self, out: SchedulerOutput) -> dict[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from hybridserve.cache.plan import CachePlan
@@ -93,3 +94,21 @@ def build_batch(
     drafts = np.zeros(rows, np.int32)
     drafts[:n] = [c.num_drafts for c in chunks]
     return BatchArrays(tokens, positions, lengths, tuple(tables), n, embeds, mask, drafts)
+
+
+def pack_ints(arrays: list[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
+    """Integer step inputs -> one flat int32 vector and their shapes, so that a step makes one
+    host-to-device copy (each copy costs a dispatch, and a new buffer address that the GPU
+    program's command buffer must be updated for)."""
+    flat = np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in arrays])
+    return flat, tuple(tuple(a.shape) for a in arrays)
+
+
+def unpack_ints(flat: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
+    """Inverse of `pack_ints` (inside the jitted step; the shapes are static)."""
+    out, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        out.append(flat[at : at + n].reshape(shape))
+        at += n
+    return out

@@ -29,16 +29,19 @@ from hybridserve.cache.plan import CachePlan
 from hybridserve.cache.regions import CacheRegions, allocate_regions, build_layout
 from hybridserve.cache.view import WORD_BYTES, apply_page_copies
 from hybridserve.config import ModelConfig, SpeculativeConfig
-from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.core.outputs import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from hybridserve.core.request import MultimodalInput
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
+from hybridserve.runner.inflight import InFlight, fill_pending, pending_slots
 from hybridserve.runner.input_batch import (
     BatchArrays,
     bucket,
     build_batch,
+    pack_ints,
     table_width,
     token_buckets,
+    unpack_ints,
 )
 from hybridserve.runner.request_state import (
     RequestStates,
@@ -46,27 +49,9 @@ from hybridserve.runner.request_state import (
     StepLogits,
     StepPass,
 )
-from hybridserve.runner.sampler import sample_requests
+from hybridserve.runner.sampler import draw, fetch, sample_requests
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
-
-
-def pack_ints(arrays: list[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
-    """Integer step inputs -> one flat int32 vector and their shapes, so that a step makes one
-    host-to-device copy (each copy costs a dispatch, and a new buffer address that the GPU
-    program's command buffer must be updated for)."""
-    flat = np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in arrays])
-    return flat, tuple(tuple(a.shape) for a in arrays)
-
-
-def unpack_ints(flat: jax.Array, shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
-    """Inverse of `pack_ints` (inside the jitted step; the shapes are static)."""
-    out, at = [], 0
-    for shape in shapes:
-        n = int(np.prod(shape))
-        out.append(flat[at : at + n].reshape(shape))
-        at += n
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("squeeze",))
@@ -132,6 +117,8 @@ class ModelRunner:
             static_argnames=("shapes", "n_logits", "keep_hidden"),
             out_shardings=(replicated, regions_out),
         )
+        self._replicated = replicated
+        self._fill = jax.jit(fill_pending, out_shardings=replicated)
         self._mtp = jax.jit(
             self._mtp_forward,
             donate_argnums=(1,),
@@ -218,11 +205,16 @@ class ModelRunner:
         )
 
     def run(
-        self, batch: BatchArrays, n_logits: int | None = 1, keep_hidden: bool = False
+        self,
+        batch: BatchArrays,
+        n_logits: int | None = 1,
+        keep_hidden: bool = False,
+        fill: tuple[jax.Array, np.ndarray, np.ndarray] | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
         """One forward call. Returns logits [B, n_logits, V] of each (padded) row's last token
         before its drafts and of its drafts (`n_logits=None`: every position, [B, T, V]), and
-        with `keep_hidden` the final hidden states [B, T, D]."""
+        with `keep_hidden` the final hidden states [B, T, D]. `fill` = (device tokens, slots,
+        rows): pending tokens written into the batch on the device (`inflight`)."""
         mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
         drafts = np.zeros(batch.tokens.shape[0], np.int32)
         if batch.num_drafts is not None:
@@ -230,10 +222,16 @@ class ModelRunner:
         packed, shapes = pack_ints(
             [batch.tokens, batch.positions, batch.lengths, drafts, *batch.tables]
         )
+        # committed and replicated either way: the step program sees one kind of input (an
+        # uncommitted host array and a program's output would compile it twice)
+        ints = jax.device_put(packed, self._replicated)
+        if fill is not None:
+            tokens, slots, rows = fill
+            ints = self._fill(ints, tokens, jnp.asarray(slots), jnp.asarray(rows))
         (logits, hidden), self.regions = self._step(
             self._leaves,
             self.regions,
-            jnp.asarray(packed),
+            ints,
             *mm,
             shapes=shapes,
             n_logits=n_logits,
@@ -283,6 +281,29 @@ class ModelRunner:
         cannot)."""
         self.spec = SpecDecoder(config, self, self.cfg)
 
+    def dispatch(self, out: SchedulerOutput, prev: InFlight | None) -> InFlight:
+        """Run one scheduled step (no speculation) and draw its tokens without waiting for
+        them; chunks may carry the pending tokens of `prev`, the step before (`inflight`).
+        The runner records a pending token for each request that sampled; `resolve` settles
+        them."""
+        result = self.compute_logits(out, prev=prev)
+        states = [self.requests[r] for r in result.req_ids]
+        tokens, lp = draw(states, result.logits) if states else (None, None)
+        positions = {s.req_id: len(s.token_ids) for s in states}
+        self.requests.record({r: [PENDING_TOKEN] for r in result.req_ids})
+        return InFlight(out, result.req_ids, states, tokens, lp, positions)
+
+    def resolve(self, flight: InFlight) -> RunnerOutput:
+        """The tokens of a dispatched step on the host (waits for them), settled into the
+        requests that are still here."""
+        if not flight.req_ids:
+            return RunnerOutput({})
+        host, entries = fetch(flight.states, flight.tokens, flight.logprobs)
+        sampled = {r: [int(t)] for r, t in zip(flight.req_ids, host.tolist(), strict=True)}
+        self.requests.settle(sampled, flight.positions)
+        logprobs = {r: [e] for r, e in zip(flight.req_ids, entries, strict=True) if e}
+        return RunnerOutput(sampled, logprobs)
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled step and sample: the new tokens of every chunk that samples (with
         speculation: its accepted drafts and one more), drawn with each request's own state."""
@@ -308,7 +329,11 @@ class ModelRunner:
     # -- the forward step -------------------------------------------------------------------
 
     def compute_logits(
-        self, out: SchedulerOutput, n_logits: int = 1, keep_hidden: bool = False
+        self,
+        out: SchedulerOutput,
+        n_logits: int = 1,
+        keep_hidden: bool = False,
+        prev: InFlight | None = None,
     ) -> StepLogits:
         """Run one scheduled step; return the logits of the chunks that sample: [n, V], or with
         `n_logits` > 1 (speculative decoding) [n, n_logits, V] (the last token before the drafts,
@@ -324,7 +349,9 @@ class ModelRunner:
             if not chunks:
                 continue
             batch = build_batch(chunks, self.plan, self.max_model_len, min_tokens)
-            logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden)
+            slots = pending_slots(chunks, batch, prev)
+            fill = None if slots is None else (prev.tokens, *slots)
+            logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden, fill=fill)
             if keep_hidden:
                 passes.append(StepPass(chunks, batch, hidden))
             for i, c in enumerate(chunks):

@@ -109,3 +109,12 @@ class RequestStates:
             state = self._states.get(req_id)
             if state is not None:
                 state.token_ids.extend(tokens)
+
+    def settle(self, sampled: dict[str, list[int]], positions: dict[str, int]) -> None:
+        """Overlapped steps: put each request's token in place of the pending one recorded at
+        `positions[req_id]` (requests gone meanwhile are skipped)."""
+        for req_id, tokens in sampled.items():
+            state = self._states.get(req_id)
+            if state is not None:
+                at = positions[req_id]
+                state.token_ids[at : at + len(tokens)] = tokens

@@ -108,6 +108,15 @@ def sample_requests(
     ({token id: logprob}: the chosen token and the top `params.logprobs`; None when not asked).
     Row i draws with fold_in(key, outputs so far); a request short of `min_tokens` cannot pick
     EOS or a stop token (`RequestState.blocked_ids`)."""
+    return fetch(states, *draw(states, logits))
+
+
+def draw(
+    states: list[RequestState], logits: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+    """`sample_requests` left on the device: the tokens [n'] (n' >= len(states): padded) and,
+    when a request asks for logprobs, the arrays `fetch` makes its entries from. Nothing here
+    waits for the device."""
     pad = logits.shape[0] - len(states)
     params = [t.params for t in states] + [states[0].params] * pad
     n_out = [t.num_outputs for t in states]
@@ -129,14 +138,23 @@ def sample_requests(
         )
         settings = [jnp.array(c, d) for c, d in zip(columns, SAMPLING_DTYPES, strict=True)]
     tokens = sample(logits, *settings, keys, mode=mode)
-    entries: list[dict[int, float] | None] = [None] * len(states)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
-    if wanted:
-        num = max(max(wanted), 1)
-        chosen, top_ids, top_lp = (np.asarray(a) for a in logprobs(logits, tokens, num))
+    if not wanted:
+        return tokens, None
+    return tokens, logprobs(logits, tokens, max(max(wanted), 1))
+
+
+def fetch(
+    states: list[RequestState], tokens: jax.Array, lp: tuple[jax.Array, ...] | None
+) -> tuple[np.ndarray, list[dict[int, float] | None]]:
+    """`draw`'s results on the host: the tokens of `states` and their logprob entries."""
+    host = np.asarray(tokens)[: len(states)]
+    entries: list[dict[int, float] | None] = [None] * len(states)
+    if lp is not None:
+        chosen, top_ids, top_lp = (np.asarray(a) for a in lp)
         for i, t in enumerate(states):
             if t.params.logprobs is not None:
                 entry = {int(top_ids[i, j]): float(top_lp[i, j]) for j in range(t.params.logprobs)}
-                entry[int(tokens[i])] = float(chosen[i])
+                entry[int(host[i])] = float(chosen[i])
                 entries[i] = entry
-    return np.asarray(tokens)[: len(states)], entries
+    return host, entries

@@ -50,6 +50,12 @@ ENGINE_FLAGS = (
         const=False,
     ),
     EngineFlag(
+        ("--no-async-scheduling",),
+        "async_scheduling",
+        "step one at a time (default: the next step is scheduled while one runs)",
+        const=False,
+    ),
+    EngineFlag(
         ("--prefix-unit",),
         "prefix_unit",
         "prefix-cache granularity in tokens (default: the largest divisor of the attention "

@@ -44,6 +44,7 @@ OLD_DEFAULTS = {
     "block_size": None,
     "prefix_unit": None,
     "max_held_fraction": 0.75,
+    "async_scheduling": True,  # since: overlapped steps
 }
 
 # flat key -> (a non-default value, where it lands)
@@ -60,6 +61,7 @@ SAMPLES = {
     "enable_prefix_caching": (False, lambda c: c.scheduler.enable_prefix_caching),
     "prefix_unit": (32, lambda c: c.scheduler.prefix_unit),
     "max_held_fraction": (0.5, lambda c: c.scheduler.max_held_fraction),
+    "async_scheduling": (False, lambda c: c.scheduler.async_scheduling),
     "block_size": (64, lambda c: c.cache.block_size),
 }
 SPEC = SpeculativeConfig(num_speculative_tokens=3)
