@@ -228,6 +228,12 @@ class LLMEngine:
         in_flight = flight is not None and any(self.outputs.tracks(r) for r in flight.req_ids)
         return bool(self.scheduler.has_unfinished() or self.kv or self._ready or in_flight)
 
+    @property
+    def in_flight(self) -> bool:
+        """A step is dispatched and its tokens are still on the device (overlapped steps):
+        the next `step` reports them, whatever it schedules."""
+        return self._flight is not None
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that got a token in it. With
         `async_scheduling` the step's tokens are still on the device when it returns: the

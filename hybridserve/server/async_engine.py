@@ -248,7 +248,7 @@ class AsyncEngine:
             worked = False
             if engine.has_unfinished():
                 outputs = engine.step()
-                worked = bool(outputs)
+                worked = bool(outputs) or engine.in_flight  # a dispatched step: step again
                 for out in outputs:
                     self._deliver(out)
             elif self._polls:
