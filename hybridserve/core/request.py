@@ -138,14 +138,10 @@ class Request:
         """After an output token was appended: set status and finish_reason if it ends the
         request. EOS and stop tokens count only once `min_tokens` outputs exist; then
         `max_tokens` and `max_model_len` end it with "length"."""
-        last = self.output_token_ids[-1]
-        if len(self.output_token_ids) >= self.min_tokens:
-            if last in self.eos_token_ids:
-                self.finish("stop")
-                return True
-            if last in self.stop_token_ids:
-                self.finish("stop", last)
-                return True
+        stop = self.stop_token(self.output_token_ids[-1])
+        if stop is not None:
+            self.finish(*stop)
+            return True
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
             return True
