@@ -28,7 +28,7 @@ import dataclasses
 from hybridserve.config import EngineConfig
 from hybridserve.core.connector import create_connector
 from hybridserve.core.kv_transfer import KVTransfers
-from hybridserve.core.outputs import PENDING_TOKEN
+from hybridserve.core.outputs import PENDING_TOKEN, SchedulerOutput
 from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.output_processor import OutputProcessor
@@ -241,24 +241,33 @@ class LLMEngine:
         if self._overlap:
             return self._step_overlapped()
         self.poll_transfers()
+        out = self._schedule()
         ready, self._ready = self._ready, []
-        try:
-            out = self.scheduler.schedule()
-        except PoolTooSmall as err:  # that request can never run here: fail it, keep serving
-            self.scheduler.finish_request(err.req_id, "abort", stop_reason=str(err))
-            self._gave_up(err.req_id, str(err))
-            return ready + self._ready
-        if out.is_empty:
+        if out is None or out.is_empty:
             return ready
         result = self.runner.execute(out)
         finished = {r.req_id for r in self.scheduler.update_from_output(out, result.sampled)}
         outputs = self.outputs.process(result.sampled, result.logprobs, finished)
         if self.runner.spec is not None:  # the next drafts, for the requests still running
             self.scheduler.set_drafts(self.runner.propose(self.scheduler.draft_rooms(out)))
+        return ready + self._forget_finished(outputs)
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The next step's schedule; None when a request can never fit the pool (it is
+        failed, and its output waits in `_ready`: the engine keeps serving)."""
+        try:
+            return self.scheduler.schedule()
+        except PoolTooSmall as err:
+            self.scheduler.finish_request(err.req_id, "abort", stop_reason=str(err))
+            self._gave_up(err.req_id, str(err))
+            return None
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The runner drops the requests that finished in `outputs`; returns `outputs`."""
         for o in outputs:
             if o.finished:
                 self.runner.remove_request(o.request_id)
-        return ready + outputs
+        return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """One call with step N in flight (its tokens on the device):
@@ -270,31 +279,20 @@ class LLMEngine:
            when N+1 is recorded;
         4. the output processor turns N's tokens into outputs while N+1 runs.
         The first call only dispatches; `has_unfinished` stays true while a step is in flight."""
-        ready, self._ready = self._ready, []
         flight, updated = self._flight, []
         if flight is not None:
             pending = {r: [PENDING_TOKEN] for r in flight.req_ids}
             updated = self.scheduler.update_from_output(flight.out, pending)
-        self._flight = None
-        try:
-            out = self.scheduler.schedule()
-        except PoolTooSmall as err:  # that request can never run here: fail it, keep serving
-            self.scheduler.finish_request(err.req_id, "abort", stop_reason=str(err))
-            self._gave_up(err.req_id, str(err))
-            out = None
-        if out is not None and not out.is_empty:
-            self._flight = self.runner.dispatch(out, flight)
-        ready, self._ready = ready + self._ready, []
+        out = self._schedule()
+        self._flight = None if out is None or out.is_empty else self.runner.dispatch(out, flight)
+        ready, self._ready = self._ready, []
         if flight is None:
             return ready
         result = self.runner.resolve(flight)
         settled = self.scheduler.settle(flight.out, result.sampled, updated)
         finished = {r.req_id for r in settled}
         outputs = self.outputs.process(result.sampled, result.logprobs, finished)
-        for o in outputs:
-            if o.finished:
-                self.runner.remove_request(o.request_id)
-        return ready + outputs
+        return ready + self._forget_finished(outputs)
 
     def stats(self) -> dict[str, float]:
         """Scheduler and cache statistics (queue sizes, cache usage, prefix-cache hit rate)."""

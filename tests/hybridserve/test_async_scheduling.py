@@ -140,3 +140,29 @@ def test_first_call_dispatches_and_reports_nothing(engines):
     while engine.has_unfinished():
         finished += [o for o in engine.step() if o.finished]
     assert len(finished) == 1 and len(finished[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_the_pool_cannot_hold_is_failed_once(engines, overlap):
+    """A schedule that finds a request can never fit the pool fails that request: its final
+    output (reason "abort") is handed out exactly once, and the engine keeps serving."""
+    from hybridserve.core.scheduler import PoolTooSmall
+
+    engine = engines[overlap].engine
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    doomed = engine.add_request([5, 6, 7], params)
+    other = engine.add_request([8, 9, 10], params)
+    scheduler, real = engine.scheduler, engine.scheduler.schedule
+
+    def refuse_once():
+        scheduler.schedule = real
+        raise PoolTooSmall("too big for this pool (test)", doomed)
+
+    scheduler.schedule = refuse_once
+    seen: list = []
+    while engine.has_unfinished():
+        seen += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in seen].count(doomed) == 1
+    assert next(o for o in seen if o.request_id == doomed).outputs[0].finish_reason == "abort"
+    assert [o.request_id for o in seen].count(other) == 1
+    _idle_pool(engines[overlap])
