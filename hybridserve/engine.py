@@ -229,6 +229,23 @@ class LLMEngine:
         return bool(self.scheduler.has_unfinished() or self.kv or self._ready or in_flight)
 
     @property
+    def overlapped(self) -> bool:
+        """Whether `step` overlaps the next step with this one (`async_scheduling`)."""
+        return self._overlap
+
+    @overlapped.setter
+    def overlapped(self, on: bool) -> None:
+        """Switch between overlapped and one-at-a-time steps (e.g. to compare them on one
+        engine). Switching off lands the step in flight: its outputs come with the next
+        `step`. Speculative and P/D engines step one at a time only."""
+        if on and (self.runner.spec is not None or self.kv is not None):
+            raise ValueError("speculative and P/D engines step one at a time")
+        if not on and self._flight is not None:
+            flight, self._flight = self._flight, None
+            self._ready += self._land(flight, self._record(flight))
+        self._overlap = bool(on)
+
+    @property
     def in_flight(self) -> bool:
         """A step is dispatched and its tokens are still on the device (overlapped steps):
         the next `step` reports them, whatever it schedules."""
@@ -279,20 +296,25 @@ class LLMEngine:
            when N+1 is recorded;
         4. the output processor turns N's tokens into outputs while N+1 runs.
         The first call only dispatches; `has_unfinished` stays true while a step is in flight."""
-        flight, updated = self._flight, []
-        if flight is not None:
-            pending = {r: [PENDING_TOKEN] for r in flight.req_ids}
-            updated = self.scheduler.update_from_output(flight.out, pending)
+        flight = self._flight
+        updated = [] if flight is None else self._record(flight)
         out = self._schedule()
         self._flight = None if out is None or out.is_empty else self.runner.dispatch(out, flight)
         ready, self._ready = self._ready, []
-        if flight is None:
-            return ready
+        return ready if flight is None else ready + self._land(flight, updated)
+
+    def _record(self, flight: InFlight) -> list[Request]:
+        """Step 1 of `_step_overlapped`: the scheduler records `flight` with pending tokens."""
+        pending = {r: [PENDING_TOKEN] for r in flight.req_ids}
+        return self.scheduler.update_from_output(flight.out, pending)
+
+    def _land(self, flight: InFlight, updated: list[Request]) -> list[RequestOutput]:
+        """Steps 3 and 4 of `_step_overlapped`: `flight`'s tokens settle and become outputs."""
         result = self.runner.resolve(flight)
         settled = self.scheduler.settle(flight.out, result.sampled, updated)
         finished = {r.req_id for r in settled}
         outputs = self.outputs.process(result.sampled, result.logprobs, finished)
-        return ready + self._forget_finished(outputs)
+        return self._forget_finished(outputs)
 
     def stats(self) -> dict[str, float]:
         """Scheduler and cache statistics (queue sizes, cache usage, prefix-cache hit rate)."""

@@ -12,7 +12,8 @@ One run, one device:
                 --steps times back to back (host work overlaps the device), per call;
        engine:  `LLMEngine.step()` (schedule, program, sampling, token to host), per call;
                 overlapped by default (the next step dispatched before this one's tokens
-                arrive; --no-async-scheduling: one at a time);
+                arrive), and then also one at a time on the same engine
+                (--no-async-scheduling: one at a time only);
        kernels: GPU kernels per forward call and their summed time (a profile of 5 calls);
        matmul:  every dense weight the step reads, multiplied by a [B, in] activation in one jitted
                 program: the GEMV/GEMM time XLA alone gets from these weights;
@@ -140,6 +141,11 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
     captured = []
     run = runner.run
     runner.run = lambda batch, *a, **k: (captured.append(batch), run(batch, *a, **k))[1]
+    sync_s = None
+    if engine.overlapped:  # the same engine one step at a time first (no step in flight yet)
+        engine.overlapped = False
+        sync_s = time_calls(lambda: (engine.step(), jnp.zeros(()))[1], args.steps)
+        engine.overlapped = True
     engine_s = time_calls(lambda: (engine.step(), jnp.zeros(()))[1], args.steps)
     runner.run = run
     if args.profile_engine:  # where the host time of a step goes
@@ -165,6 +171,7 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
         "state_ms_at_bw": 1e3 * cost.state / args.bandwidth,
         "forward_ms": 1e3 * forward_s,
         "engine_step_ms": 1e3 * engine_s,
+        "engine_step_one_at_a_time_ms": None if sync_s is None else 1e3 * sync_s,
         "matmul_only_ms": 1e3 * matmul_s,
         "kernels_per_step": kernels,
         "kernel_ms_per_step": kernel_ms,
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'backend':>28} {'B':>4} {'weights GB':>10} {'state GB':>8} {'floor ms':>8} "
-        f"{'fwd ms':>7} {'fwd/floor':>9} {'engine ms':>9} {'eng/fwd':>7} {'kernels':>7} "
+        f"{'fwd ms':>7} {'fwd/floor':>9} {'engine ms':>9} {'eng/fwd':>7} {'1-at-a-time':>11} "
+        f"{'kernels':>7} "
         f"{'matmul ms':>9}"
     )
     for r in rows:
@@ -263,6 +271,7 @@ def print_table(rows: list[dict]) -> None:
             f"{r['state_bytes'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} {r['forward_ms']:>7.3f} "
             f"{r['forward_over_floor']:>9.2f} {r['engine_step_ms']:>9.3f} "
             f"{r['engine_step_ms'] / r['forward_ms']:>7.2f} "
+            f"{r['engine_step_one_at_a_time_ms'] or math.nan:>11.3f} "
             f"{r['kernels_per_step'] or math.nan:>7.0f} "
             f"{r['matmul_only_ms']:>9.3f}"
         )

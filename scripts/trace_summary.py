@@ -3,6 +3,10 @@
 create_perfetto_trace=True)`) by kernel name: where a step's device time goes.
 
     python scripts/trace_summary.py TRACE_DIR [--top 25] [--steps 5]
+    # kernels of the same kind together (XLA's instance numbers dropped), most frequent first
+    python scripts/trace_summary.py TRACE_DIR --group --top 60
+    # the first N kernels in launch order (one step's pattern, layer by layer)
+    python scripts/trace_summary.py TRACE_DIR --sequence 400
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
 
-def kernel_times(path: Path) -> dict[str, tuple[float, int]]:
-    """{kernel name: (total microseconds, count)} over the GPU streams of one trace file."""
+def gpu_kernels(path: Path) -> list[tuple[float, str, float]]:
+    """(start us, name, duration us) of every kernel on the GPU streams of one trace file, in
+    start order."""
     with gzip.open(path) as f:
         events = json.loads(f.read())
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -27,12 +33,26 @@ def kernel_times(path: Path) -> dict[str, tuple[float, int]]:
     gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
     if not gpu:
         print("no GPU streams; processes:", sorted(set(names.values()))[:20])
+    out = [
+        (float(e["ts"]), e["name"], float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e
+    ]
+    return sorted(out)
+
+
+def kernel_times(path: Path) -> dict[str, tuple[float, int]]:
+    """{kernel name: (total microseconds, count)} over the GPU streams of one trace file."""
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-            out[e["name"]][0] += float(e["dur"])
-            out[e["name"]][1] += 1
+    for _, name, dur in gpu_kernels(path):
+        out[name][0] += dur
+        out[name][1] += 1
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def kind(name: str) -> str:
+    """A kernel name without XLA's instance numbers: `loop_add_fusion_12` -> `loop_add_fusion`."""
+    return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))
 
 
 def main() -> None:
@@ -40,6 +60,8 @@ def main() -> None:
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=5, help="calls traced (per-step numbers)")
+    parser.add_argument("--group", action="store_true", help="by kind, most frequent first")
+    parser.add_argument("--sequence", type=int, default=0, help="print the first N kernels")
     args = parser.parse_args()
     files = sorted(args.trace_dir.rglob("*.trace.json.gz")) + sorted(
         args.trace_dir.rglob("perfetto_trace.json.gz")
@@ -52,10 +74,19 @@ def main() -> None:
     print(
         f"{files[-1]}: {count / args.steps:.0f} kernels, {total / args.steps / 1e3:.3f} ms per step"
     )
-    for name, (t, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[: args.top]:
+    if args.group:
+        grouped: dict[str, list] = defaultdict(lambda: [0.0, 0])
+        for name, (t, n) in times.items():
+            grouped[kind(name)][0] += t
+            grouped[kind(name)][1] += n
+        times = {k: (v[0], v[1]) for k, v in grouped.items()}
+    order = (lambda kv: -kv[1][1]) if args.group else (lambda kv: -kv[1][0])
+    for name, (t, n) in sorted(times.items(), key=order)[: args.top]:
         print(
             f"{t / args.steps:9.1f} us {n / args.steps:6.1f}x  {100 * t / total:5.1f}%  {name[:90]}"
         )
+    for start, name, dur in gpu_kernels(files[-1])[: args.sequence]:
+        print(f"{start:14.1f} {dur:8.1f} us  {name[:100]}")
 
 
 if __name__ == "__main__":

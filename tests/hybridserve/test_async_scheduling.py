@@ -166,3 +166,34 @@ def test_a_request_the_pool_cannot_hold_is_failed_once(engines, overlap):
     assert next(o for o in seen if o.request_id == doomed).outputs[0].finish_reason == "abort"
     assert [o.request_id for o in seen].count(other) == 1
     _idle_pool(engines[overlap])
+
+
+def test_switching_modes_between_steps(engines):
+    """`overlapped` switches one engine between the two modes (the decode benchmark compares
+    them on one engine). Switching off lands the step in flight, whose outputs come with the
+    next step: switched off and on again midway, every request gets the one-step engine's
+    tokens, each output once, and no page leaks."""
+    vocab = engines[True].engine.model_config.vocab_size
+    prompts, _ = _requests(vocab, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = engines[True].engine
+    ids = [engine.add_request(p["prompt_token_ids"], params) for p in prompts]
+    outputs: dict[str, list[int]] = {r: [] for r in ids}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            new = list(o.outputs[0].token_ids)
+            assert new[: len(outputs[o.request_id])] == outputs[o.request_id]
+            assert len(new) > len(outputs[o.request_id]), "an output handed out twice"
+            outputs[o.request_id] = new
+        steps += 1
+        if steps == 4:
+            assert engine.in_flight
+            engine.overlapped = False
+            assert not engine.in_flight and not engine.overlapped
+        if steps == 8:
+            engine.overlapped = True
+    assert engine.overlapped
+    want = _run(engines[False], prompts, [params] * 3)
+    assert [outputs[r] for r in ids] == [w[0] for w in want]
+    _idle_pool(engines[True])
