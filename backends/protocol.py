@@ -351,12 +351,18 @@ def get_op(op: str, backend: str) -> Callable:
         raise BackendError(f"backend {backend!r} has no implementation of op {op!r}") from None
 
 
+# What "auto" is on GPUs: measured on an H200 (BENCHMARKS.md, the decode step, 2026-12-03), the
+# pallas attention and state kernels with XLA's norms and one-token conv, which XLA fuses with
+# their neighbours (batch-1 forward 5.37 ms against 5.73 all-pallas and 5.50 with xla norms
+# only; batch 64 within 1%).
+GPU_DEFAULT = "pallas,rms_norm=xla,gated_rms_norm=xla,causal_conv1d_step=xla"
+
+
 def default_backend(platform: str | None = None) -> str:
-    """What `"auto"` means on `platform` (default: jax's): the fastest backend measured there.
-    On an H200 the pallas decode step beat xla at batch 1, 8 and 64 (BENCHMARKS.md, the decode
-    step); elsewhere the reference."""
+    """What `"auto"` means on `platform` (default: jax's): the fastest backend (with per-op
+    overrides) measured there: `GPU_DEFAULT` on GPUs, the xla reference elsewhere."""
     platform = jax.default_backend() if platform is None else platform
-    return "pallas" if platform in ("gpu", "cuda") else "xla"
+    return GPU_DEFAULT if platform in ("gpu", "cuda") else "xla"
 
 
 def load_ops(backend: str = "xla", fallback: str | None = None) -> Ops:
@@ -366,11 +372,11 @@ def load_ops(backend: str = "xla", fallback: str | None = None) -> Ops:
     `backend` may name ops taken from other backends after a comma:
     `"xla,mamba2_step_paged=pallas"` is the xla table with the pallas state update (for
     measuring one kernel inside the engine); `Ops.backend` is then that whole string. `"auto"`
-    is `default_backend()`."""
+    is `default_backend()` (with any overrides after it applied last)."""
     base, *picks = (part.strip() for part in backend.split(","))
-    if base == "auto":
-        base = default_backend()
-        backend = ",".join([base, *picks])
+    if base == "auto":  # the default's own overrides first: the caller's take precedence
+        backend = ",".join([default_backend(), *picks])
+        base, *picks = (part.strip() for part in backend.split(","))
     overrides = {}
     for pick in picks:
         op, sep, name = pick.partition("=")

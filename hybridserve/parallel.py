@@ -13,7 +13,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-TP_AXES = frozenset({"heads", "kv_heads", "ssm_heads", "ssm_groups", "mlp", "expert_mlp", "vocab"})
+# "ranks": the rank axis of a kernel merged per TP rank (`layers.merged`), always split
+TP_AXES = frozenset(
+    {"heads", "kv_heads", "ssm_heads", "ssm_groups", "mlp", "expert_mlp", "vocab", "ranks"}
+)
 
 
 def make_mesh(tensor_parallel_size: int = 1) -> Mesh:

@@ -137,9 +137,10 @@ class EngineConfig:
     """Everything an `LLMEngine` is built from (the tree in the module docstring).
 
     `model`: the model directory. `dtype`: "float32" or "bfloat16" (None keeps the checkpoint's).
-    `backend`: the op backend ("auto": pallas on GPUs, xla elsewhere; "xla", "pallas",
-    "torch"). `seed`: base seed of requests whose SamplingParams carry none, and of dummy
-    weights. `load_format`: "auto" reads the checkpoint, "dummy" draws random weights.
+    `backend`: the op backend ("auto": pallas kernels with XLA norms on GPUs, xla elsewhere;
+    "xla", "pallas", "torch"; "BASE,OP=OTHER" takes one op from another backend). `seed`: base
+    seed of requests whose SamplingParams carry none, and of dummy weights. `load_format`:
+    "auto" reads the checkpoint, "dummy" draws random weights.
     `max_model_len`: longest prompt + output in tokens; the scheduler's `max_model_len` follows
     it (the engine lowers both to the model's `max_position_embeddings`). Build one with
     `from_kwargs`.

@@ -41,8 +41,8 @@ class LLM:
         unknown name is a `TypeError`; the defaults are `EngineConfig`'s):
         dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
         tensor_parallel_size: devices to shard the model (and its cache) over.
-        backend: op backend, "auto" (pallas on GPUs, xla elsewhere), "xla" (reference),
-          "pallas" or "torch".
+        backend: op backend, "auto" (pallas kernels with XLA norms on GPUs, xla elsewhere),
+          "xla" (reference), "pallas" or "torch"; "BASE,OP=OTHER" takes one op from another.
         max_model_len: longest prompt + output, in tokens.
         max_num_seqs: requests decoded together.
         max_num_batched_tokens: tokens computed per step (prefill chunks and decode tokens).

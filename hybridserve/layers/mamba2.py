@@ -8,8 +8,9 @@ For an input u [B, T, D]:
   s_t = exp(dt_t a) s_{t-1} + dt_t (x_t outer b_t);  y_t = s_t c_t + D x_t   (per head)
   out = W_out (gated_group_rmsnorm(y, z))                      (norm of y * silu(z) per group)
 Prefill runs the chunked SSD scan from the carried state; one-token decode runs the recurrent
-update. The input projection is kept as five separate kernels so that tensor parallelism can
-shard heads and groups; the checkpoint loader splits HF's fused `in_proj`.
+update. The input projection is loaded as five kernels (the checkpoint loader splits HF's fused
+`in_proj`), which the runner merges into one per-rank kernel (`merge_projections`,
+`layers.merged`): one GEMM per step.
 The conv states of x, b and c and the ssm state live in the request's state page of the layer's
 region (see `cache.mamba_view`); conv weights are kept per x / b / c so that TP shards them with
 their heads and groups. A decode step updates the ssm state where it lies
@@ -22,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from backends.protocol import Ops
@@ -36,6 +38,7 @@ from hybridserve.cache.mamba_view import (
 from hybridserve.cache.view import MambaAccess, duplicate
 from hybridserve.config import MambaConfig
 from hybridserve.layers.linear import Einsum, param
+from hybridserve.layers.merged import MergedProjection
 from hybridserve.layers.step_input import StepInput
 
 
@@ -86,9 +89,29 @@ class Mamba2(nnx.Module):
         self.D = param(None, (hs,), ("ssm_heads",), jnp.float32, init="ones")
         self.norm_weight = param(None, (cfg.intermediate_size,), (None,), dtype, init="ones")
         self.out_proj = Einsum("bthp,hpd->btd", (hs, p, hidden), ("ssm_heads", None, "embed"), **kw)
+        self.in_proj: MergedProjection | None = nnx.data(None)  # `merge_projections`
         self.cfg = cfg
         self.eps = eps
         self.ops = ops
+
+    def merge_projections(self, mesh: Mesh) -> None:
+        """Replace in_z, in_x, in_b, in_c and in_dt by one kernel merged per TP rank of `mesh`
+        (`layers.merged`); the five are dropped. Idempotent."""
+        if self.in_proj is not None:
+            return
+        names = {"z": "in_z", "x": "in_x", "b": "in_b", "c": "in_c", "dt": "in_dt"}
+        self.in_proj = nnx.data(
+            MergedProjection({k: getattr(self, v) for k, v in names.items()}, mesh)
+        )
+        for attr in names.values():
+            setattr(self, attr, None)
+
+    def _project(self, u: jax.Array) -> dict[str, jax.Array]:
+        """z, x [B, T, Hs, P], b, c [B, T, G, Ns] and dt [B, T, Hs] (before its bias)."""
+        if self.in_proj is not None:
+            return self.in_proj(u)
+        z, x, b, c = self.in_z(u), self.in_x(u), self.in_b(u), self.in_c(u)
+        return {"z": z, "x": x, "b": b, "c": c, "dt": self.in_dt(u)}
 
     def __call__(
         self, u: jax.Array, region: jax.Array, inputs: StepInput, layer: int
@@ -99,9 +122,10 @@ class Mamba2(nnx.Module):
         pages = inputs.tables[acc.group]
         bsz, t, _ = u.shape
         hs, p = cfg.num_heads, cfg.head_dim
-        z = self.in_z(u)
-        seqs = {"x": self.in_x(u), "b": self.in_b(u), "c": self.in_c(u)}
-        dt = jax.nn.softplus(self.in_dt(u).astype(jnp.float32) + self.dt_bias[...])
+        proj = self._project(u)
+        z = proj["z"]
+        seqs = {k: proj[k] for k in ("x", "b", "c")}
+        dt = jax.nn.softplus(proj["dt"].astype(jnp.float32) + self.dt_bias[...])
         if cfg.dt_min > 0.0 or cfg.dt_max < float("inf"):
             dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))

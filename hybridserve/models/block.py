@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from backends.protocol import Ops
 from hybridserve.cache.spec import sconv_entries
@@ -62,6 +63,11 @@ class Block(nnx.Module):
             if cfg.sconv is not None and entry is None
             else None
         )
+
+    def merge_projections(self, mesh: Mesh) -> None:
+        """Merge the mixer's input projections per TP rank (`layers.merged`), where it has any."""
+        if isinstance(self.mixer, Mamba2):
+            self.mixer.merge_projections(mesh)
 
     def __call__(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
         """Replaces this layer's regions in `regions` (a Python list) when it is cached."""

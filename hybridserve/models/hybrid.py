@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from backends.protocol import Ops
 from hybridserve.cache.spec import mtp_entries
@@ -86,6 +87,12 @@ class HybridModel(nnx.Module):
             if cfg.tie_word_embeddings
             else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
         )
+
+    def merge_projections(self, mesh: Mesh) -> None:
+        """Merge each block's input projections into one kernel per TP rank of `mesh`
+        (`layers.merged`): done once by the runner after loading; checkpoints keep them apart."""
+        for layer in self.layers:
+            layer.merge_projections(mesh)
 
     def __call__(
         self,

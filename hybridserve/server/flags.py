@@ -32,7 +32,8 @@ ENGINE_FLAGS = (
     EngineFlag(
         ("--backend",),
         "backend",
-        "op backend (auto: pallas on GPUs, xla elsewhere; xla is the reference)",
+        "op backend (auto: pallas kernels with XLA norms on GPUs, xla elsewhere; xla is the "
+        "reference)",
         str,
         ("auto", "xla", "pallas", "torch"),
     ),

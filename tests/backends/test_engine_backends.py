@@ -49,13 +49,18 @@ def test_greedy_tokens_match_xla(hf_checkpoint, backend, family):
 
 
 def test_auto_backend_and_per_op_overrides():
-    """Backend "auto" is the reference on the CPU and pallas on GPUs; "BASE,OP=OTHER" takes one op
-    from another backend; a malformed override is refused with the ops it may name."""
-    from backends.protocol import default_backend, get_op
+    """Backend "auto" is the reference on the CPU and pallas with XLA's norms and one-token conv
+    on GPUs (overrides after "auto" win); "BASE,OP=OTHER" takes one op from another backend; a
+    malformed override is refused with the ops it may name."""
+    from backends.protocol import GPU_DEFAULT, default_backend, get_op
 
-    assert default_backend("cpu") == "xla" and default_backend("gpu") == "pallas"
+    assert default_backend("cpu") == "xla" and default_backend("gpu") == GPU_DEFAULT
+    assert GPU_DEFAULT.split(",")[0] == "pallas"
     ops = load_ops("auto")
     assert ops.backend == "xla" and ops.mamba2_step is get_op("mamba2_step", "xla")
+    picked = load_ops("auto,rms_norm=pallas")
+    assert picked.rms_norm is get_op("rms_norm", "pallas")
+    assert picked.mamba2_step is get_op("mamba2_step", "xla")
     mixed = load_ops("xla,mamba2_step_paged=pallas")
     assert mixed.mamba2_step_paged is get_op("mamba2_step_paged", "pallas")
     assert mixed.paged_attention is get_op("paged_attention", "xla")
