@@ -4,7 +4,8 @@ A state page is `[x | B | C | ssm | pad]` (DS) or `[conv | ssm | pad]` (SD) from
 row. Two ways to reach it:
 - whole pages (`read_mamba` / `write_mamba`): one gather of the pages' rows, one scatter back
   (prefill, and any layout the in-place path does not take);
-- the conv state alone (`read_conv` / `write_conv`): the rows that hold `[0, conv_bytes)`; the
+- the conv state alone (`read_conv` / `write_conv`, or per rank as one array of its x|B|C
+  channels: `read_conv_ranks` / `write_conv_ranks`): the rows that hold `[0, conv_bytes)`; the
   ssm state then stays where it is for a backend's `mamba2_step_paged`, which updates it in
   place (`in_place`). The last conv row may hold the first ssm words: `write_conv` writes them
   back as `read_conv` found them, so it must run before the ssm update.
@@ -170,5 +171,38 @@ def write_conv(
     past the conv state are written back unchanged."""
     conv_bytes = acc.page.conv_bytes
     words = pack_words(_conv_parts(acc, region.shape[0], x, b, c), conv_bytes)
+    rows = jnp.concatenate([words, raw[..., conv_bytes // WORD_BYTES :]], axis=-1)
+    return _scatter(region, pages, page_rows, rows)
+
+
+def read_conv_ranks(
+    region: jax.Array, acc: MambaAccess, pages: jax.Array, page_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """Each rank's conv state as one array [tp, B, X + 2 G*N, W-1] of its own x|B|C channels in
+    page order (B and C groups as the rank holds them: split or duplicated), and the rows read
+    (words [tp, B, n]: give them to `write_conv_ranks`). Needs `in_place(acc)`."""
+    raw = _gather(region, pages, page_rows, _conv_count(acc, region.shape[2]))
+    channels = acc.x_dim + 2 * acc.bc_dim
+    if acc.layout == "DS":  # x, B, C slabs of [channels, W-1] back to back: one slab
+        state = read_slab(raw, 0, acc.page.conv_bytes, acc.conv_dtype, (channels, acc.rows))
+    else:
+        rows = read_slab(raw, 0, acc.page.conv_bytes, acc.conv_dtype, (acc.rows, channels))
+        state = jnp.swapaxes(rows, -1, -2)
+    return state, raw
+
+
+def write_conv_ranks(
+    region: jax.Array,
+    acc: MambaAccess,
+    pages: jax.Array,
+    page_rows: int,
+    state: jax.Array,
+    raw: jax.Array,
+) -> jax.Array:
+    """Inverse of `read_conv_ranks`: store `state` [tp, B, channels, W-1] over the rows it read
+    (`raw`); the words of those rows past the conv state are written back unchanged."""
+    conv_bytes = acc.page.conv_bytes
+    part = state if acc.layout == "DS" else jnp.swapaxes(state, -1, -2)
+    words = pack_words([(part, acc.conv_dtype)], conv_bytes)
     rows = jnp.concatenate([words, raw[..., conv_bytes // WORD_BYTES :]], axis=-1)
     return _scatter(region, pages, page_rows, rows)

@@ -30,15 +30,17 @@ from backends.protocol import Ops
 from hybridserve.cache.mamba_view import (
     in_place,
     read_conv,
+    read_conv_ranks,
     read_mamba,
     state_offset,
     write_conv,
+    write_conv_ranks,
     write_mamba,
 )
 from hybridserve.cache.view import MambaAccess, duplicate
 from hybridserve.config import MambaConfig
 from hybridserve.layers.linear import Einsum, param
-from hybridserve.layers.merged import MergedProjection
+from hybridserve.layers.merged import MergedProjection, merge_per_rank
 from hybridserve.layers.step_input import StepInput
 
 
@@ -90,6 +92,8 @@ class Mamba2(nnx.Module):
         self.norm_weight = param(None, (cfg.intermediate_size,), (None,), dtype, init="ones")
         self.out_proj = Einsum("bthp,hpd->btd", (hs, p, hidden), ("ssm_heads", None, "embed"), **kw)
         self.in_proj: MergedProjection | None = nnx.data(None)  # `merge_projections`
+        self.conv_merged: nnx.Param | None = nnx.data(None)
+        self.conv_bias_merged: nnx.Param | None = nnx.data(None)
         self.cfg = cfg
         self.eps = eps
         self.ops = ops
@@ -105,6 +109,17 @@ class Mamba2(nnx.Module):
         )
         for attr in names.values():
             setattr(self, attr, None)
+        # the conv taps of each rank's x|B|C channels, in the order of its merged columns and of
+        # its state page: one conv per decode step (`_decode_merged`)
+        tp, width = mesh.shape["tp"], self.cfg.conv_kernel
+        taps = {k: self.conv_weight[k][...] for k in ("x", "b", "c")}
+        merged = merge_per_rank(taps, mesh).reshape(tp, -1, width)
+        self.conv_merged = nnx.data(nnx.Param(merged, axes=("ranks", None, None)))
+        if self.conv_bias is not None:
+            biases = {k: self.conv_bias[k][...] for k in ("x", "b", "c")}
+            self.conv_bias_merged = nnx.data(
+                nnx.Param(merge_per_rank(biases, mesh), axes=("ranks", None))
+            )
 
     def _project(self, u: jax.Array) -> dict[str, jax.Array]:
         """z, x [B, T, Hs, P], b, c [B, T, G, Ns] and dt [B, T, Hs] (before its bias)."""
@@ -121,18 +136,18 @@ class Mamba2(nnx.Module):
         tp = inputs.layout.tp
         pages = inputs.tables[acc.group]
         bsz, t, _ = u.shape
-        hs, p = cfg.num_heads, cfg.head_dim
+        # one-token decode updates the ssm state in place; only the conv state moves
+        paged = t == 1 and in_place(acc) and (tp == 1 or inputs.layout.mesh is not None)
+        if paged and self.in_proj is not None:
+            y, z, region = self._decode_merged(u, region, acc, inputs)
+            return self._out(y, z, u), region
         proj = self._project(u)
         z = proj["z"]
         seqs = {k: proj[k] for k in ("x", "b", "c")}
-        dt = jax.nn.softplus(proj["dt"].astype(jnp.float32) + self.dt_bias[...])
-        if cfg.dt_min > 0.0 or cfg.dt_max < float("inf"):
-            dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
+        dt = self._dt(proj["dt"])
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         page_rows = inputs.layout.page_rows
         fresh = inputs.fresh  # a row at position 0 starts from zero state (the page is reused)
-        # one-token decode updates the ssm state in place; only the conv state moves
-        paged = t == 1 and in_place(acc) and (tp == 1 or inputs.layout.mesh is not None)
         if paged:
             x_st, b_st, c_st, conv_rows = read_conv(region, acc, tp, pages, page_rows)
         else:
@@ -179,14 +194,7 @@ class Mamba2(nnx.Module):
             y, ssm_state = ops.mamba2_scan(
                 xs, dt, a, bs, cs, self.D[...], ssm_state, cfg.chunk_size
             )
-        y = ops.gated_rms_norm(
-            y.reshape(bsz, t, hs * p),
-            z.reshape(bsz, t, hs * p),
-            self.norm_weight[...],
-            self.eps,
-            cfg.intermediate_size // cfg.n_groups,
-        )
-        out = self.out_proj(y.reshape(bsz, t, hs, p).astype(u.dtype))
+        out = self._out(y, z, u)
         if not paged:
             region = write_mamba(
                 region,
@@ -201,6 +209,64 @@ class Mamba2(nnx.Module):
             )
         return out, region
 
+    def _dt(self, raw: jax.Array) -> jax.Array:
+        """dt = softplus(raw + dt_bias) in float32, clipped to the config's range if any."""
+        cfg = self.cfg
+        dt = jax.nn.softplus(raw.astype(jnp.float32) + self.dt_bias[...])
+        if cfg.dt_min > 0.0 or cfg.dt_max < float("inf"):
+            dt = jnp.clip(dt, cfg.dt_min, cfg.dt_max)
+        return dt
+
+    def _out(self, y: jax.Array, z: jax.Array, u: jax.Array) -> jax.Array:
+        """out = W_out (gated_group_rmsnorm(y, z)), y and z [B, T, Hs, P] -> [B, T, D]."""
+        cfg = self.cfg
+        bsz, t = u.shape[:2]
+        width = cfg.num_heads * cfg.head_dim
+        y = self.ops.gated_rms_norm(
+            y.reshape(bsz, t, width),
+            z.reshape(bsz, t, width),
+            self.norm_weight[...],
+            self.eps,
+            cfg.intermediate_size // cfg.n_groups,
+        )
+        return self.out_proj(y.reshape(bsz, t, cfg.num_heads, cfg.head_dim).astype(u.dtype))
+
+    def _decode_merged(
+        self, u: jax.Array, region: jax.Array, acc: MambaAccess, inputs: StepInput
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One-token decode over the merged kernels: (y [B, 1, Hs, P], z, region). Each rank's
+        x|B|C columns are contiguous in the merged projection and in its state page, so one
+        conv step runs over all of them (`read_conv_ranks`), then the in-place ssm step."""
+        cfg, layout = self.cfg, inputs.layout
+        tp, pages, fresh = layout.tp, inputs.tables[acc.group], inputs.fresh
+        proj = self.in_proj
+        cols = proj.ranks(u)[:, 0]  # [B, tp, Wr]
+        bsz = cols.shape[0]
+        xbc = proj.span(cols[:, None], "x", "c")[:, 0]  # [B, tp, Cr]
+        state, raw = read_conv_ranks(region, acc, pages, layout.page_rows)  # [tp, B, Cr, W-1]
+        state = jnp.where(fresh[None, :, None, None], 0, state)
+        channels = xbc.shape[-1]
+        conv_state = jnp.swapaxes(state, 0, 1).reshape(bsz, tp * channels, -1)
+        weight = self.conv_merged[...].reshape(tp * channels, -1)
+        bias = None if self.conv_bias_merged is None else self.conv_bias_merged[...].reshape(-1)
+        y, new_state = self.ops.causal_conv1d_step(
+            xbc.reshape(bsz, -1), conv_state.astype(xbc.dtype), weight, bias, "silu"
+        )
+        new_state = jnp.swapaxes(new_state.reshape(bsz, tp, channels, -1), 0, 1)
+        region = write_conv_ranks(region, acc, pages, layout.page_rows, new_state, raw)
+        y = y.reshape(bsz, tp, channels)
+        x_part, b_part = proj.part("x"), proj.part("b")
+        xr, bcr = x_part.width, b_part.width
+        x = y[..., :xr].reshape(bsz, cfg.num_heads, cfg.head_dim)
+        # B and C as each rank holds them (split or duplicated): [B, tp * G_r, Ns]
+        b = y[..., xr : xr + bcr].reshape(bsz, tp * b_part.per_rank, cfg.state_size)
+        c = y[..., xr + bcr :].reshape(bsz, tp * b_part.per_rank, cfg.state_size)
+        dt = self._dt(proj.cut(cols[:, None], "dt")[:, 0])
+        a = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        step = (x, dt, a, b, c, self.D[...])
+        y, region = self._step_in_place(region, acc, pages, fresh, inputs, *step, ranked=True)
+        return y[:, None], proj.cut(cols[:, None], "z"), region
+
     def _step_in_place(
         self,
         region: jax.Array,
@@ -214,10 +280,12 @@ class Mamba2(nnx.Module):
         b: jax.Array,
         c: jax.Array,
         d: jax.Array,
+        ranked: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
         """`mamba2_step_paged` over the region: y [B, Hs, P] and the region. At TP > 1 each
         rank updates its own heads' states in its own shard (`shard_map`); B and C groups
-        fewer than tp are duplicated first, as their pages hold them."""
+        fewer than tp are duplicated first, as their pages hold them (`ranked`: b and c are
+        already as the ranks hold them, [B, tp * G_r, Ns])."""
         layout = inputs.layout
         tp = layout.tp
         fresh = fresh.astype(jnp.int32)
@@ -229,8 +297,9 @@ class Mamba2(nnx.Module):
 
         if tp == 1:
             return step(region, pages, fresh, x, dt, a, b, c, d)
-        dup = acc.group_dup(tp)
-        b, c = duplicate(b, 1, dup), duplicate(c, 1, dup)
+        if not ranked:
+            dup = acc.group_dup(tp)
+            b, c = duplicate(b, 1, dup), duplicate(c, 1, dup)
         heads, shard = P(None, "tp", None), P("tp", None, None)
         specs = (shard, P(), P(), heads, P(None, "tp"), P("tp"), heads, heads, P("tp"))
         run = jax.shard_map(

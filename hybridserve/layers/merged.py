@@ -53,13 +53,7 @@ class MergedProjection(nnx.Module):
         """Merge `parts` (kernels `[D, n_i, *rest_i]`, as loaded and sharded) for `mesh`'s TP."""
         tp = mesh.shape["tp"]
         self.tp = tp
-        layout, offset = [], 0
-        for name, proj in parts.items():
-            shape = proj.kernel.shape
-            per_rank = len(held_range(shape[1], tp, 0, name))
-            layout.append(Part(name, shape[1], tuple(shape[2:]), per_rank, offset))
-            offset += layout[-1].width
-        self.parts = tuple(layout)
+        self.parts = rank_layout({k: p.kernel.shape[1:] for k, p in parts.items()}, tp)
         kernels = [p.kernel[...] for p in parts.values()]
         self.kernel = nnx.Param(_merged(kernels, self.parts, tp, mesh, lead=1), axes=_AXES)
         biases = [p.bias for p in parts.values()]
@@ -72,18 +66,51 @@ class MergedProjection(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
+        y = self.ranks(x)
+        return {part.name: self.cut(y, part.name) for part in self.parts}
+
+    def ranks(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> y [B, T, tp, Wr]: every rank's columns (for `cut` and `span`)."""
         y = jnp.einsum("btd,drw->btrw", x, self.kernel[...])
-        if self.bias is not None:
-            y = y + self.bias[...]
-        out = {}
-        for part in self.parts:
-            piece = y[..., part.offset : part.offset + part.width]
-            piece = piece.reshape(*y.shape[:2], self.tp * part.per_rank, *part.rest)
-            dup = self.tp // part.heads if part.heads < self.tp else 1
-            if dup > 1:  # each entry is held by dup ranks: keep one copy
-                piece = piece.reshape(*y.shape[:2], part.heads, dup, *part.rest)[:, :, :, 0]
-            out[part.name] = piece
-        return out
+        return y if self.bias is None else y + self.bias[...]
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def cut(self, y: jax.Array, name: str) -> jax.Array:
+        """Part `name` of `ranks`'s y as its global `[B, T, n, *rest]` (one copy of each entry)."""
+        part = self.part(name)
+        piece = y[..., part.offset : part.offset + part.width]
+        piece = piece.reshape(*y.shape[:2], self.tp * part.per_rank, *part.rest)
+        dup = self.tp // part.heads if part.heads < self.tp else 1
+        if dup > 1:  # each entry is held by dup ranks: keep one copy
+            piece = piece.reshape(*y.shape[:2], part.heads, dup, *part.rest)[:, :, :, 0]
+        return piece
+
+    def span(self, y: jax.Array, first: str, last: str) -> jax.Array:
+        """Parts `first` .. `last` (adjacent in merge order) of each rank: `y[..., a:b]`, per
+        rank as that rank holds them (duplicated entries included)."""
+        a, b = self.part(first), self.part(last)
+        return y[..., a.offset : b.offset + b.width]
+
+
+def rank_layout(shapes: dict[str, tuple[int, ...]], tp: int) -> tuple[Part, ...]:
+    """The parts of a per-rank merge of arrays `[n_i, *rest_i]` (their sharded axis first)."""
+    layout, offset = [], 0
+    for name, shape in shapes.items():
+        per_rank = len(held_range(shape[0], tp, 0, name))
+        layout.append(Part(name, shape[0], tuple(shape[1:]), per_rank, offset))
+        offset += layout[-1].width
+    return tuple(layout)
+
+
+def merge_per_rank(arrays: dict[str, jax.Array], mesh: Mesh) -> jax.Array:
+    """Arrays `[n_i, *rest_i]` (e.g. conv taps per head) merged to `[tp, Wr]` as the kernels
+    are (rank r: each array's `held_range` entries, flattened, side by side), sharded on the
+    rank axis."""
+    tp = mesh.shape["tp"]
+    parts = rank_layout({k: a.shape for k, a in arrays.items()}, tp)
+    return _merged(list(arrays.values()), parts, tp, mesh, lead=0)
 
 
 _AXES = ("embed", "ranks", None)  # "ranks" is always split over "tp" (`parallel.TP_AXES`)
