@@ -18,6 +18,7 @@ collective is needed; at TP 1 it is a plain concatenation. Biases are merged the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -121,6 +122,13 @@ def _merged(
 ) -> jax.Array:
     """`arrays` (kernels with `lead`=1 leading D axis, or biases with none) merged to
     `[*lead, tp, Wr]`, sharded on the rank axis."""
+    sharding = NamedSharding(mesh, PartitionSpec(*(None,) * lead, "tp", None))
+    return _merge_program(parts, tp, lead, sharding)(*arrays)
+
+
+@functools.cache
+def _merge_program(parts: tuple[Part, ...], tp: int, lead: int, sharding: NamedSharding):
+    """One jitted merge per layout: every runner of a model shape reuses its compiled program."""
 
     def merge(*arrays: jax.Array) -> jax.Array:
         ranks = []
@@ -133,5 +141,4 @@ def _merged(
             ranks.append(jnp.concatenate(cols, axis=-1))
         return jnp.stack(ranks, axis=lead)
 
-    sharding = NamedSharding(mesh, PartitionSpec(*(None,) * lead, "tp", None))
-    return jax.jit(merge, out_shardings=sharding)(*arrays)
+    return jax.jit(merge, out_shardings=sharding)
