@@ -43,8 +43,13 @@ def gpu_kernels(path: Path) -> list[tuple[float, str, float]]:
 
 def kernel_times(path: Path) -> dict[str, tuple[float, int]]:
     """{kernel name: (total microseconds, count)} over the GPU streams of one trace file."""
+    return summed(gpu_kernels(path))
+
+
+def summed(kernels: list[tuple[float, str, float]]) -> dict[str, tuple[float, int]]:
+    """{kernel name: (total microseconds, count)} of `gpu_kernels`' list."""
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for _, name, dur in gpu_kernels(path):
+    for _, name, dur in kernels:
         out[name][0] += dur
         out[name][1] += 1
     return {k: (v[0], v[1]) for k, v in out.items()}
@@ -68,7 +73,8 @@ def main() -> None:
     )
     if not files:
         raise SystemExit(f"no trace under {args.trace_dir}")
-    times = kernel_times(files[-1])
+    kernels = gpu_kernels(files[-1])  # the trace is parsed once
+    times = summed(kernels)
     total = sum(t for t, _ in times.values())
     count = sum(n for _, n in times.values())
     print(
@@ -85,7 +91,7 @@ def main() -> None:
         print(
             f"{t / args.steps:9.1f} us {n / args.steps:6.1f}x  {100 * t / total:5.1f}%  {name[:90]}"
         )
-    for start, name, dur in gpu_kernels(files[-1])[: args.sequence]:
+    for start, name, dur in kernels[: args.sequence]:
         print(f"{start:14.1f} {dur:8.1f} us  {name[:100]}")
 
 

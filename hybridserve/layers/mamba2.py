@@ -242,7 +242,7 @@ class Mamba2(nnx.Module):
         proj = self.in_proj
         cols = proj.ranks(u)[:, 0]  # [B, tp, Wr]
         bsz = cols.shape[0]
-        xbc = proj.span(cols[:, None], "x", "c")[:, 0]  # [B, tp, Cr]
+        xbc = proj.span(cols, "x", "c")  # [B, tp, Cr]
         state, raw = read_conv_ranks(region, acc, pages, layout.page_rows)  # [tp, B, Cr, W-1]
         state = jnp.where(fresh[None, :, None, None], 0, state)
         channels = xbc.shape[-1]
@@ -261,11 +261,11 @@ class Mamba2(nnx.Module):
         # B and C as each rank holds them (split or duplicated): [B, tp * G_r, Ns]
         b = y[..., xr : xr + bcr].reshape(bsz, tp * b_part.per_rank, cfg.state_size)
         c = y[..., xr + bcr :].reshape(bsz, tp * b_part.per_rank, cfg.state_size)
-        dt = self._dt(proj.cut(cols[:, None], "dt")[:, 0])
+        dt = self._dt(proj.cut(cols, "dt"))
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         step = (x, dt, a, b, c, self.D[...])
         y, region = self._step_in_place(region, acc, pages, fresh, inputs, *step, ranked=True)
-        return y[:, None], proj.cut(cols[:, None], "z"), region
+        return y[:, None], proj.cut(cols, "z")[:, None], region
 
     def _step_in_place(
         self,

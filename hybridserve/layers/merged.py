@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridserve.cache.page_layout import held_range
+from hybridserve.cache.view import undup
 from hybridserve.layers.linear import Einsum
 
 
@@ -79,18 +80,18 @@ class MergedProjection(nnx.Module):
         return next(p for p in self.parts if p.name == name)
 
     def cut(self, y: jax.Array, name: str) -> jax.Array:
-        """Part `name` of `ranks`'s y as its global `[B, T, n, *rest]` (one copy of each entry)."""
+        """Part `name` of `ranks`'s y [..., tp, Wr] as its global `[..., n, *rest]` (one copy
+        of each entry)."""
         part = self.part(name)
+        lead = y.shape[:-2]
         piece = y[..., part.offset : part.offset + part.width]
-        piece = piece.reshape(*y.shape[:2], self.tp * part.per_rank, *part.rest)
-        dup = self.tp // part.heads if part.heads < self.tp else 1
-        if dup > 1:  # each entry is held by dup ranks: keep one copy
-            piece = piece.reshape(*y.shape[:2], part.heads, dup, *part.rest)[:, :, :, 0]
-        return piece
+        piece = piece.reshape(*lead, self.tp * part.per_rank, *part.rest)
+        # each entry is held by tp * per_rank / heads ranks (1 when split): keep one copy
+        return undup(piece, len(lead), self.tp * part.per_rank // part.heads)
 
     def span(self, y: jax.Array, first: str, last: str) -> jax.Array:
-        """Parts `first` .. `last` (adjacent in merge order) of each rank: `y[..., a:b]`, per
-        rank as that rank holds them (duplicated entries included)."""
+        """Parts `first` .. `last` (adjacent in merge order) of each rank of y [..., tp, Wr]:
+        `y[..., a:b]`, per rank as that rank holds them (duplicated entries included)."""
         a, b = self.part(first), self.part(last)
         return y[..., a.offset : b.offset + b.width]
 
