@@ -20,6 +20,8 @@ from typing import Protocol
 
 import jax
 
+from backends.fused import Linear, Mamba2DecodePaged
+
 Array = jax.Array
 
 
@@ -285,6 +287,7 @@ class Nvfp4GroupedMatmul(Protocol):
 
 
 OP_SIGNATURES: dict[str, type] = {
+    "linear": Linear,
     "rms_norm": RmsNorm,
     "gated_rms_norm": GatedRmsNorm,
     "causal_conv1d": CausalConv1d,
@@ -292,6 +295,7 @@ OP_SIGNATURES: dict[str, type] = {
     "mamba2_scan": Mamba2Scan,
     "mamba2_step": Mamba2Step,
     "mamba2_step_paged": Mamba2StepPaged,
+    "mamba2_decode_paged": Mamba2DecodePaged,
     "paged_attention": PagedAttention,
     "grouped_matmul": GroupedMatmul,
     "nvfp4_grouped_matmul": Nvfp4GroupedMatmul,
@@ -318,6 +322,7 @@ class Ops:
     """The resolved op table of one backend (one field per op in `OP_SIGNATURES`)."""
 
     backend: str
+    linear: Linear
     rms_norm: RmsNorm
     gated_rms_norm: GatedRmsNorm
     causal_conv1d: CausalConv1d
@@ -325,6 +330,7 @@ class Ops:
     mamba2_scan: Mamba2Scan
     mamba2_step: Mamba2Step
     mamba2_step_paged: Mamba2StepPaged
+    mamba2_decode_paged: Mamba2DecodePaged
     paged_attention: PagedAttention
     grouped_matmul: GroupedMatmul
     nvfp4_grouped_matmul: Nvfp4GroupedMatmul

@@ -16,6 +16,7 @@ offsets when the region exceeds 4 GiB.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,6 +31,19 @@ F32 = jnp.float32
 TILE = 4096  # state elements per program (32 a thread at 4 warps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Where the packed form (`step_packed`) finds x, b, c (offsets into one [B, *] array) and
+    the raw dt (offset into the projection), and dt's clip range."""
+
+    x_offset: int
+    b_offset: int
+    c_offset: int
+    dt_offset: int
+    dt_min: float
+    dt_max: float
+
+
 def _kernel(
     pages_ref,
     fresh_ref,
@@ -39,10 +53,7 @@ def _kernel(
     b_ref,
     c_ref,
     d_ref,
-    region_ref,
-    y_ref,
-    out_ref,
-    *,
+    *refs,
     p: int,
     ns: int,
     bp: int,
@@ -51,8 +62,15 @@ def _kernel(
     width: int,
     page_rows: int,
     state_offset: int,
+    packed: Packed | None,
 ):
     # out_ref is region_ref's buffer (aliased): loads read region_ref, stores go to out_ref
+    if packed is None:
+        region_ref, y_ref, out_ref = refs
+        x_off = b_off = c_off = 0
+    else:
+        dtb_ref, region_ref, y_ref, out_ref = refs
+        x_off, b_off, c_off = packed.x_offset, packed.b_offset, packed.c_offset
     i, h, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page = pages_ref[i]
     fresh = fresh_ref[i]
@@ -65,12 +83,21 @@ def _kernel(
     w_idx = word % width
     raw = plgpu.load(region_ref.at[0, r_idx, w_idx], mask=tile_ok & (fresh == 0), other=0)
     state = jax.lax.bitcast_convert_type(raw, F32)
-    x = plgpu.load(x_ref.at[i, h, rows], mask=row_ok, other=0).astype(F32)  # [bp]
+    # x [B, Hs * P], b and c [B, G * Ns] (flat; packed: parts of one array at their offsets)
+    x = plgpu.load(x_ref.at[i, x_off + h * p + rows], mask=row_ok, other=0).astype(F32)  # [bp]
     g = h // rep
-    b = plgpu.load(b_ref.at[i, g, cols], mask=col_ok, other=0).astype(F32)  # [nsp]
-    c = plgpu.load(c_ref.at[i, g, cols], mask=col_ok, other=0).astype(F32)
-    dt = dt_ref[i, h].astype(F32)
-    new = jnp.exp(dt * a_ref[h].astype(F32)) * state + (dt * x)[:, None] * b[None, :]
+    b = plgpu.load(b_ref.at[i, b_off + g * ns + cols], mask=col_ok, other=0).astype(F32)
+    c = plgpu.load(c_ref.at[i, c_off + g * ns + cols], mask=col_ok, other=0).astype(F32)
+    if packed is None:
+        dt = dt_ref[i, h].astype(F32)
+        a = a_ref[h].astype(F32)
+    else:  # dt raw from the projection, a as A_log
+        v = dt_ref[i, packed.dt_offset + h].astype(F32) + dtb_ref[h].astype(F32)
+        dt = jnp.maximum(v, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(v)))  # softplus
+        if packed.dt_min > 0.0 or packed.dt_max < float("inf"):
+            dt = jnp.minimum(jnp.maximum(dt, packed.dt_min), packed.dt_max)
+        a = -jnp.exp(a_ref[h].astype(F32))
+    new = jnp.exp(dt * a) * state + (dt * x)[:, None] * b[None, :]
     new_raw = jax.lax.bitcast_convert_type(new, jnp.int32)
     plgpu.store(out_ref.at[0, r_idx, w_idx], new_raw, mask=tile_ok & (page > 0))
     y = jnp.sum(new * c[None, :], axis=1) + d_ref[h].astype(F32) * x
@@ -117,10 +144,80 @@ def mamba2_step_paged_tiled(
 ) -> tuple[jax.Array, jax.Array]:
     """`mamba2_step_paged` with explicit tiles: about `tile` state elements per program
     (rows of P times the padded Ns) and `num_warps`; the benchmark sweeps them."""
-    if region.dtype != jnp.int32 or region.ndim != 3 or region.shape[0] != 1:
-        raise ValueError(f"region must be int32 words [1, R, Wd], got {region.dtype}{region.shape}")
     bsz, nh, p = x.shape
     groups, ns = b.shape[1], b.shape[2]
+    flat = (x.reshape(bsz, -1), dt, a, b.reshape(bsz, -1), c.reshape(bsz, -1), d)
+    shape = (nh, p, groups, ns)
+    return _launch(
+        region,
+        pages,
+        fresh,
+        flat,
+        shape,
+        state_offset,
+        page_rows,
+        None,
+        None,
+        tile=tile,
+        num_warps=num_warps,
+    )
+
+
+def step_packed(
+    region: jax.Array,
+    pages: jax.Array,
+    fresh: jax.Array,
+    xbc: jax.Array,
+    cols: jax.Array,
+    dt_bias: jax.Array,
+    a_log: jax.Array,
+    d: jax.Array,
+    shape: tuple[int, int, int, int],
+    packed: Packed,
+    state_offset: int,
+    page_rows: int,
+) -> tuple[jax.Array, jax.Array]:
+    """`mamba2_step_paged` reading x, b and c from one array `xbc` [B, *] at the offsets of
+    `packed`, dt raw from `cols` [B, *] (softplus(raw + dt_bias) inside, clipped as `packed`
+    says) and a as `a_log` (a = -exp(a_log)): no slice, no dt or a kernel before it.
+    shape = (Hs, P, G, Ns). Returns y [B, Hs, P] in xbc's dtype and the region."""
+    nh = shape[0]
+    tile = TILE if xbc.shape[0] * nh < 4096 else TILE // 2
+    flat = (xbc, cols, a_log, xbc, xbc, d)
+    return _launch(
+        region,
+        pages,
+        fresh,
+        flat,
+        shape,
+        state_offset,
+        page_rows,
+        packed,
+        dt_bias,
+        tile=tile,
+        num_warps=4,
+    )
+
+
+def _launch(
+    region: jax.Array,
+    pages: jax.Array,
+    fresh: jax.Array,
+    flat: tuple[jax.Array, ...],
+    shape: tuple[int, int, int, int],
+    state_offset: int,
+    page_rows: int,
+    packed: Packed | None,
+    dt_bias: jax.Array | None,
+    *,
+    tile: int,
+    num_warps: int,
+) -> tuple[jax.Array, jax.Array]:
+    if region.dtype != jnp.int32 or region.ndim != 3 or region.shape[0] != 1:
+        raise ValueError(f"region must be int32 words [1, R, Wd], got {region.dtype}{region.shape}")
+    x, dt, a, b, c, d = flat
+    nh, p, groups, ns = shape
+    bsz = x.shape[0]
     if nh % groups:
         raise ValueError(f"{nh} ssm heads do not split into {groups} groups")
     nsp = next_pow2(ns)
@@ -135,7 +232,12 @@ def mamba2_step_paged_tiled(
         width=region.shape[2],
         page_rows=page_rows,
         state_offset=state_offset,
+        packed=packed,
     )
+    args = [pages.astype(jnp.int32), fresh.astype(jnp.int32), x, dt, a.astype(F32), b, c]
+    args.append(d.astype(F32))
+    if packed is not None:
+        args.append(dt_bias.astype(F32))
     y, region = pl.pallas_call(
         kernel,
         out_shape=(
@@ -143,19 +245,9 @@ def mamba2_step_paged_tiled(
             jax.ShapeDtypeStruct(region.shape, region.dtype),
         ),
         grid=(bsz, nh, pl.cdiv(p, bp)),
-        input_output_aliases={8: 1},
+        input_output_aliases={len(args): 1},
         interpret=interpret(),
         compiler_params=triton_params(num_warps=num_warps),
         name="mamba2_step_paged",
-    )(
-        pages.astype(jnp.int32),
-        fresh.astype(jnp.int32),
-        x,
-        dt,
-        a.astype(F32),
-        b,
-        c,
-        d.astype(F32),
-        region,
-    )
+    )(*args, region)
     return y, region

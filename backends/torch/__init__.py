@@ -6,4 +6,4 @@ Importing this package needs torch; without it the import raises ImportError, wh
 
 import torch  # noqa: F401  (ImportError here when torch is missing)
 
-from backends.torch import attention, conv, moe, norm, ssd  # noqa: F401  (registers the ops)
+from backends.torch import attention, conv, fused, moe, norm, ssd  # noqa: F401  (registers the ops)

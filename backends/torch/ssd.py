@@ -104,4 +104,4 @@ def mamba2_step(
 
 
 # The region is a JAX buffer: torch updates the gathered states, JAX scatters them back.
-register("mamba2_step_paged", "torch")(through(mamba2_step))
+mamba2_step_paged = register("mamba2_step_paged", "torch")(through(mamba2_step))

@@ -68,4 +68,4 @@ def through(step: Callable) -> Callable:
     return paged
 
 
-register("mamba2_step_paged", "xla")(through(mamba2_step))
+mamba2_step_paged = register("mamba2_step_paged", "xla")(through(mamba2_step))

@@ -11,10 +11,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from backends.fused import Norm
 from backends.protocol import Ops, RelativeBias
 from hybridserve.cache.view import AttentionAccess, kv_pages, kv_pages_local, write_kv
 from hybridserve.config import AttentionConfig
 from hybridserve.layers.linear import Einsum, param
+from hybridserve.layers.merged import MergedProjection
 from hybridserve.layers.rope import apply_rope
 from hybridserve.layers.step_input import StepInput
 
@@ -58,9 +60,43 @@ class Attention(nnx.Module):
             self.rel_bias = RelativeBias(cfg.rel_buckets, cfg.rel_exact, cfg.rel_max_distance)
         else:
             self.r_proj = self.rel_table = self.rel_bias = None
+        self.qkv: MergedProjection | None = nnx.data(None)  # `to_rows`
         self.cfg = cfg
         self.window = window
         self.ops = ops
+
+    def to_rows(self, mesh: Mesh) -> None:
+        """At TP 1: q, k, v (and r) merged into one projection stored as rows, o_proj as rows
+        (`layers.merged`, `Einsum.to_rows`), for `fused`. Idempotent."""
+        if self.qkv is not None:
+            return
+        names = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
+        if self.r_proj is not None:
+            names["r"] = "r_proj"
+        merged = MergedProjection({k: getattr(self, v) for k, v in names.items()}, mesh)
+        merged.to_rows(self.ops)
+        self.qkv = nnx.data(merged)
+        for attr in names.values():
+            setattr(self, attr, None)
+        self.o_proj.to_rows(self.ops)
+
+    def fused(
+        self,
+        h: jax.Array,
+        norm: Norm,
+        scale: float,
+        region: jax.Array,
+        inputs: StepInput,
+        layer: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The whole residual step `h + scale * attention(norm(h))` over rows (`to_rows`):
+        the norm inside the merged q|k|v projection, the residual add inside o_proj."""
+        cols = self.qkv.ranks(h, norm)
+        q, k, v = (self.qkv.cut(cols, name) for name in ("q", "k", "v"))
+        relative = any(part.name == "r" for part in self.qkv.parts)
+        rel_q = self.qkv.cut(cols, "r") if relative else None
+        out, region = self._attend_all(q, k, v, rel_q, region, inputs, layer, None)
+        return self.o_proj(out, residual=h, scale=scale), region
 
     def __call__(
         self,
@@ -73,9 +109,26 @@ class Attention(nnx.Module):
         """`kv_conv` (the Inkling blocks' sconvs) maps the projected k and v ([B, T, K, H])
         before they are cached and attended to; it gets and returns this layer's region (its
         own state may live in the same region)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        rel_q = None if self.r_proj is None else self.r_proj(x)
+        out, region = self._attend_all(q, k, v, rel_q, region, inputs, layer, kv_conv)
+        return self.o_proj(out), region
+
+    def _attend_all(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        rel_q: jax.Array | None,
+        region: jax.Array,
+        inputs: StepInput,
+        layer: int,
+        kv_conv: KvConv | None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """This step's keys written, then attention over the pages: (out [B, T, N, H],
+        region)."""
         acc = inputs.layout.layers[layer]
         tp = inputs.layout.tp
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if kv_conv is not None:
             k, v, region = kv_conv(k, v, region)
         if self.cfg.rope_theta is not None:
@@ -86,9 +139,7 @@ class Attention(nnx.Module):
         # then attend over the pages: one in-place write of the region per layer.
         k, v = k.astype(acc.dtype), v.astype(acc.dtype)
         region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
-        rel_q = rel_table = None
-        if self.r_proj is not None:
-            rel_q, rel_table = self.r_proj(x), self.rel_table[...]
+        rel_table = None if rel_q is None else self.rel_table[...]
         mesh = inputs.layout.mesh
         where = (table, inputs.positions, inputs.kv_lengths)
         if tp == 1:  # the region as joint K|V pages: no slice copies it
@@ -98,7 +149,7 @@ class Attention(nnx.Module):
         else:
             k_pages, v_pages = kv_pages(region, acc, tp)
             out = self._attend(q, k_pages, v_pages, where, rel_q, rel_table)
-        return self.o_proj(out), region
+        return out, region
 
     def _attend(
         self,

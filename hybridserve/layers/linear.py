@@ -1,4 +1,11 @@
-"""Einsum projections whose kernels carry logical axis names."""
+"""Einsum projections whose kernels carry logical axis names.
+
+A projection is loaded as the checkpoint lays it out (`kernel [K..., N...]`: contracted axes
+first). At tensor parallelism 1 the runner turns it into rows (`Einsum.to_rows`): the kernel as
+`w [N, K]`, one row per output feature, and the projection then runs through the backend's
+`linear` op, which can take the norm before it and the activation and residual add after it
+(`backends.fused.Linear`): a decode layer's GEMV reads w row by row, with its neighbours fused.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,9 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from backends.fused import Norm
+from backends.protocol import Ops
 
 
 def param(
@@ -67,8 +77,63 @@ class Einsum(nnx.Module):
         else:
             self.bias = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.equation, x, self.kernel[...])
+        self.ops: Ops | None = None  # set by `to_rows`
+
+    @property
+    def rows(self) -> bool:
+        """Is the kernel stored as rows `[N, K]` (`to_rows`)?"""
+        return self.ops is not None
+
+    def _split(self) -> tuple[str, str, str, int]:
+        """(x spec, kernel spec, out spec, number of contracted axes)."""
+        lhs, out = self.equation.split("->")
+        x_spec, k_spec = lhs.split(",")
+        contracted = sum(1 for c in k_spec if c in x_spec and c not in out)
+        return x_spec, k_spec, out, contracted
+
+    def to_rows(self, ops: Ops) -> None:
+        """Store the kernel as `w [N, K]` and run through `ops.linear` from now on (TP 1 only:
+        the rows carry no sharding). Needs the contracted axes first in the kernel and last in
+        x, in the same order (every projection of the models here). Idempotent."""
+        if self.rows:
+            return
+        x_spec, k_spec, out, n_in = self._split()
+        if not (x_spec.endswith(k_spec[:n_in]) and out.endswith(k_spec[n_in:])):
+            raise ValueError(f"{self.equation}: contracted axes must lead the kernel, end x")
+        kernel = self.kernel[...]
+        k = math.prod(kernel.shape[:n_in])
+        self.out_shape = tuple(kernel.shape[n_in:])
+        self.in_axes = n_in
+        self.kernel = nnx.Param(transposed(kernel.reshape(k, -1)), axes=(None, None))
         if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+            self.bias = nnx.Param(self.bias[...].reshape(-1), axes=(None,))
+        self.ops = ops
+
+    def __call__(
+        self,
+        x: jax.Array,
+        norm: Norm | None = None,
+        activation: str | None = None,
+        residual: jax.Array | None = None,
+        scale: float = 1.0,
+    ) -> jax.Array:
+        """The projection of x; with rows (`to_rows`) also the `linear` op's norm before it
+        and activation and `residual + scale * y` after it (`residual` flattened like y)."""
+        bias = None if self.bias is None else self.bias[...]
+        if not self.rows:
+            if norm is not None or activation is not None or residual is not None:
+                raise ValueError("a fused projection needs rows (Einsum.to_rows)")
+            y = jnp.einsum(self.equation, x, self.kernel[...])
+            return y if bias is None else y + bias
+        lead = x.shape[: x.ndim - self.in_axes]
+        flat = x.reshape(*lead, -1)
+        if residual is not None:
+            residual = residual.reshape(*lead, -1)
+        y = self.ops.linear(flat, self.kernel[...], bias, norm, activation, residual, scale)
+        return y.reshape(*lead, *self.out_shape)
+
+
+@jax.jit
+def transposed(kernel: jax.Array) -> jax.Array:
+    """[K, N] -> [N, K] (one program per shape, reused by every layer of a model)."""
+    return kernel.T

@@ -24,22 +24,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
+from backends.fused import Norm
 from backends.protocol import Ops
 from hybridserve.cache.mamba_view import (
     in_place,
     read_conv,
-    read_conv_ranks,
     read_mamba,
-    state_offset,
     write_conv,
-    write_conv_ranks,
     write_mamba,
 )
-from hybridserve.cache.view import MambaAccess, duplicate
 from hybridserve.config import MambaConfig
 from hybridserve.layers.linear import Einsum, param
+from hybridserve.layers.mamba2_decode import decode_fused, decode_ranks, step_in_place
 from hybridserve.layers.merged import MergedProjection, merge_per_rank
 from hybridserve.layers.step_input import StepInput
 
@@ -128,21 +125,68 @@ class Mamba2(nnx.Module):
         z, x, b, c = self.in_z(u), self.in_x(u), self.in_b(u), self.in_c(u)
         return {"z": z, "x": x, "b": b, "c": c, "dt": self.in_dt(u)}
 
+    def to_rows(self) -> None:
+        """At TP 1, after `merge_projections`: the merged input and the output projection as
+        rows (`Einsum.to_rows`), for `fused`."""
+        self.in_proj.to_rows(self.ops)
+        self.out_proj.to_rows(self.ops)
+
     def __call__(
         self, u: jax.Array, region: jax.Array, inputs: StepInput, layer: int
     ) -> tuple[jax.Array, jax.Array]:
+        """The mixer of the normed input u [B, T, D] -> ([B, T, D], region)."""
+        acc = inputs.layout.layers[layer]
+        tp, t = inputs.layout.tp, u.shape[1]
+        # one-token decode updates the ssm state in place; only the conv state moves
+        paged = t == 1 and in_place(acc) and (tp == 1 or inputs.layout.mesh is not None)
+        if paged and self.in_proj is not None:
+            y, z, region = decode_ranks(self, u, region, acc, inputs)
+            return self._out(y, z, u), region
+        proj = self._project(u)
+        y, region = self._mix(proj, region, inputs, layer)
+        return self._out(y, proj["z"], u), region
+
+    def fused(
+        self,
+        h: jax.Array,
+        norm: Norm,
+        scale: float,
+        region: jax.Array,
+        inputs: StepInput,
+        layer: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """The whole residual step `h + scale * mixer(norm(h))` over rows (`to_rows`): the
+        norm inside the input projection, the gated norm and the residual add inside the
+        output projection; a one-token step runs `mamba2_decode_paged` between them."""
+        cfg, acc = self.cfg, inputs.layout.layers[layer]
+        bsz, t, _ = h.shape
+        cols = self.in_proj.ranks(h, norm)  # [B, T, 1, Wr]
+        if t == 1 and in_place(acc):
+            y, region = decode_fused(self, cols[:, 0, 0], region, acc, inputs)
+        else:
+            proj = {part.name: self.in_proj.cut(cols, part.name) for part in self.in_proj.parts}
+            y, region = self._mix(proj, region, inputs, layer)
+        gate = Norm(
+            self.norm_weight[...],
+            self.eps,
+            cols[:, :, 0],
+            self.in_proj.part("z").offset,
+            cfg.intermediate_size // cfg.n_groups,
+        )
+        y = y.reshape(bsz, t, cfg.num_heads, cfg.head_dim)
+        return self.out_proj(y, norm=gate, residual=h, scale=scale), region
+
+    def _mix(
+        self, proj: dict[str, jax.Array], region: jax.Array, inputs: StepInput, layer: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """Conv, dt and the scan (or one-token step) from the projections -> (y [B, T, Hs, P],
+        region)."""
         cfg, ops = self.cfg, self.ops
         acc = inputs.layout.layers[layer]
         tp = inputs.layout.tp
         pages = inputs.tables[acc.group]
-        bsz, t, _ = u.shape
-        # one-token decode updates the ssm state in place; only the conv state moves
+        bsz, t = proj["dt"].shape[:2]
         paged = t == 1 and in_place(acc) and (tp == 1 or inputs.layout.mesh is not None)
-        if paged and self.in_proj is not None:
-            y, z, region = self._decode_merged(u, region, acc, inputs)
-            return self._out(y, z, u), region
-        proj = self._project(u)
-        z = proj["z"]
         seqs = {k: proj[k] for k in ("x", "b", "c")}
         dt = self._dt(proj["dt"])
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
@@ -179,7 +223,7 @@ class Mamba2(nnx.Module):
                 region, acc, tp, pages, page_rows, states["x"], states["b"], states["c"], conv_rows
             )
             step = (xs[:, 0], dt[:, 0], a, bs[:, 0], cs[:, 0], self.D[...])
-            y, region = self._step_in_place(region, acc, pages, fresh, inputs, *step)
+            y, region = step_in_place(self, region, acc, pages, fresh, inputs, *step)
             y = y[:, None]
         elif t == 1:
             y, ssm_state = ops.mamba2_step(
@@ -194,7 +238,6 @@ class Mamba2(nnx.Module):
             y, ssm_state = ops.mamba2_scan(
                 xs, dt, a, bs, cs, self.D[...], ssm_state, cfg.chunk_size
             )
-        out = self._out(y, z, u)
         if not paged:
             region = write_mamba(
                 region,
@@ -207,7 +250,7 @@ class Mamba2(nnx.Module):
                 states["c"],
                 ssm_state,
             )
-        return out, region
+        return y, region
 
     def _dt(self, raw: jax.Array) -> jax.Array:
         """dt = softplus(raw + dt_bias) in float32, clipped to the config's range if any."""
@@ -230,79 +273,3 @@ class Mamba2(nnx.Module):
             cfg.intermediate_size // cfg.n_groups,
         )
         return self.out_proj(y.reshape(bsz, t, cfg.num_heads, cfg.head_dim).astype(u.dtype))
-
-    def _decode_merged(
-        self, u: jax.Array, region: jax.Array, acc: MambaAccess, inputs: StepInput
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One-token decode over the merged kernels: (y [B, 1, Hs, P], z, region). Each rank's
-        x|B|C columns are contiguous in the merged projection and in its state page, so one
-        conv step runs over all of them (`read_conv_ranks`), then the in-place ssm step."""
-        cfg, layout = self.cfg, inputs.layout
-        tp, pages, fresh = layout.tp, inputs.tables[acc.group], inputs.fresh
-        proj = self.in_proj
-        cols = proj.ranks(u)[:, 0]  # [B, tp, Wr]
-        bsz = cols.shape[0]
-        xbc = proj.span(cols, "x", "c")  # [B, tp, Cr]
-        state, raw = read_conv_ranks(region, acc, pages, layout.page_rows)  # [tp, B, Cr, W-1]
-        state = jnp.where(fresh[None, :, None, None], 0, state)
-        channels = xbc.shape[-1]
-        conv_state = jnp.swapaxes(state, 0, 1).reshape(bsz, tp * channels, -1)
-        weight = self.conv_merged[...].reshape(tp * channels, -1)
-        bias = None if self.conv_bias_merged is None else self.conv_bias_merged[...].reshape(-1)
-        y, new_state = self.ops.causal_conv1d_step(
-            xbc.reshape(bsz, -1), conv_state.astype(xbc.dtype), weight, bias, "silu"
-        )
-        new_state = jnp.swapaxes(new_state.reshape(bsz, tp, channels, -1), 0, 1)
-        region = write_conv_ranks(region, acc, pages, layout.page_rows, new_state, raw)
-        y = y.reshape(bsz, tp, channels)
-        x_part, b_part = proj.part("x"), proj.part("b")
-        xr, bcr = x_part.width, b_part.width
-        x = y[..., :xr].reshape(bsz, cfg.num_heads, cfg.head_dim)
-        # B and C as each rank holds them (split or duplicated): [B, tp * G_r, Ns]
-        b = y[..., xr : xr + bcr].reshape(bsz, tp * b_part.per_rank, cfg.state_size)
-        c = y[..., xr + bcr :].reshape(bsz, tp * b_part.per_rank, cfg.state_size)
-        dt = self._dt(proj.cut(cols, "dt"))
-        a = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        step = (x, dt, a, b, c, self.D[...])
-        y, region = self._step_in_place(region, acc, pages, fresh, inputs, *step, ranked=True)
-        return y[:, None], proj.cut(cols, "z")[:, None], region
-
-    def _step_in_place(
-        self,
-        region: jax.Array,
-        acc: MambaAccess,
-        pages: jax.Array,
-        fresh: jax.Array,
-        inputs: StepInput,
-        x: jax.Array,
-        dt: jax.Array,
-        a: jax.Array,
-        b: jax.Array,
-        c: jax.Array,
-        d: jax.Array,
-        ranked: bool = False,
-    ) -> tuple[jax.Array, jax.Array]:
-        """`mamba2_step_paged` over the region: y [B, Hs, P] and the region. At TP > 1 each
-        rank updates its own heads' states in its own shard (`shard_map`); B and C groups
-        fewer than tp are duplicated first, as their pages hold them (`ranked`: b and c are
-        already as the ranks hold them, [B, tp * G_r, Ns])."""
-        layout = inputs.layout
-        tp = layout.tp
-        fresh = fresh.astype(jnp.int32)
-
-        def step(shard, pages, fresh, x, dt, a, b, c, d):
-            return self.ops.mamba2_step_paged(
-                shard, pages, fresh, x, dt, a, b, c, d, state_offset(acc), layout.page_rows
-            )
-
-        if tp == 1:
-            return step(region, pages, fresh, x, dt, a, b, c, d)
-        if not ranked:
-            dup = acc.group_dup(tp)
-            b, c = duplicate(b, 1, dup), duplicate(c, 1, dup)
-        heads, shard = P(None, "tp", None), P("tp", None, None)
-        specs = (shard, P(), P(), heads, P(None, "tp"), P("tp"), heads, heads, P("tp"))
-        run = jax.shard_map(
-            step, mesh=layout.mesh, in_specs=specs, out_specs=(heads, shard), check_vma=False
-        )
-        return run(region, pages, fresh, x, dt, a, b, c, d)

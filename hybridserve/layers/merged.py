@@ -13,6 +13,8 @@ one (and cost a kernel each), so the runner merges them once, after loading:
 
 The rank axis is the sharded one, so each rank's GEMM reads exactly its own columns and no
 collective is needed; at TP 1 it is a plain concatenation. Biases are merged the same way.
+At TP 1 the runner then stores the kernel as rows `[Wr, D]` (`to_rows`, as `Einsum.to_rows`),
+and `ranks` runs through the backend's `linear` op, with the block's norm fused before it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from backends.fused import Norm
+from backends.protocol import Ops
 from hybridserve.cache.page_layout import held_range
 from hybridserve.cache.view import undup
-from hybridserve.layers.linear import Einsum
+from hybridserve.layers.linear import Einsum, transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +71,32 @@ class MergedProjection(nnx.Module):
             )
         )
 
+        self.ops: Ops | None = None  # set by `to_rows`
+
+    def to_rows(self, ops: Ops) -> None:
+        """At TP 1: store the kernel as rows `[Wr, D]` and project through `ops.linear`.
+        Idempotent."""
+        if self.ops is not None:
+            return
+        if self.tp != 1:
+            raise ValueError("rows are for TP 1 (a merged kernel at TP > 1 keeps its rank axis)")
+        self.kernel = nnx.Param(transposed(self.kernel[...][:, 0]), axes=(None, None))
+        if self.bias is not None:
+            self.bias = nnx.Param(self.bias[...][0], axes=(None,))
+        self.ops = ops
+
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
         y = self.ranks(x)
         return {part.name: self.cut(y, part.name) for part in self.parts}
 
-    def ranks(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> y [B, T, tp, Wr]: every rank's columns (for `cut` and `span`)."""
+    def ranks(self, x: jax.Array, norm: Norm | None = None) -> jax.Array:
+        """x [B, T, D] -> y [B, T, tp, Wr]: every rank's columns (for `cut` and `span`);
+        `norm` (rows only): the `linear` op's norm of x first."""
+        if self.ops is not None:
+            bias = None if self.bias is None else self.bias[...]
+            return self.ops.linear(x, self.kernel[...], bias, norm)[..., None, :]
+        if norm is not None:
+            raise ValueError("a fused projection needs rows (MergedProjection.to_rows)")
         y = jnp.einsum("btd,drw->btrw", x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 

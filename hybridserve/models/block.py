@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from backends.fused import Norm
 from backends.protocol import Ops
 from hybridserve.cache.spec import sconv_entries
 from hybridserve.config import ModelConfig
@@ -55,6 +56,8 @@ class Block(nnx.Module):
         else:
             self.ffn = None
         self.residual_multiplier = cfg.residual_multiplier
+        self.ops = ops
+        self.fused = False  # `prepare`
         self.sconv_entries = sconv_entries(cfg)[index] if entry is None else {}
         a = cfg.attention
         widths = {"kv": 2 * a.num_kv_heads * a.head_dim if a else 0, "out": d, "ffn": d}
@@ -64,13 +67,29 @@ class Block(nnx.Module):
             else None
         )
 
-    def merge_projections(self, mesh: Mesh) -> None:
-        """Merge the mixer's input projections per TP rank (`layers.merged`), where it has any."""
+    def prepare(self, mesh: Mesh) -> None:
+        """Merge the mixer's input projections per TP rank (`layers.merged`), where it has any.
+        At TP 1 (blocks without short convs) also store the dense projections as rows, so that
+        each residual step runs fused (`_fused`: the norm inside the first projection, the
+        residual add inside the last). Done once by the runner after loading."""
         if isinstance(self.mixer, Mamba2):
             self.mixer.merge_projections(mesh)
+        if self.fused or mesh.shape["tp"] != 1 or self.sconv is not None:
+            return
+        if isinstance(self.mixer, Mamba2):
+            self.mixer.to_rows()
+        elif isinstance(self.mixer, Attention):
+            self.mixer.to_rows(mesh)
+        elif isinstance(self.mixer, Mlp):
+            self.mixer.to_rows(self.ops)
+        if isinstance(self.ffn, Mlp):
+            self.ffn.to_rows(self.ops)
+        self.fused = True
 
     def __call__(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
         """Replaces this layer's regions in `regions` (a Python list) when it is cached."""
+        if self.fused:
+            return self._fused(h, regions, inputs)
         x = self.norm(h)
         if self.kind in ("mamba", "attention", "sliding_attention"):
             r = inputs.layout.layers[self.index].region
@@ -83,6 +102,23 @@ class Block(nnx.Module):
         if self.ffn is not None:
             y = self._conv("ffn", self.ffn(self.ffn_norm(h)), regions, inputs)
             h = h + self.residual_multiplier * y
+        return h
+
+    def _fused(self, h: jax.Array, regions: list[jax.Array], inputs: StepInput) -> jax.Array:
+        """`__call__` over rows (`prepare`): each residual step in the layers' fused form."""
+        scale = self.residual_multiplier
+        norm = Norm(self.norm.weight[...], self.norm.eps)
+        if self.kind in ("mamba", "attention", "sliding_attention"):
+            r = inputs.layout.layers[self.index].region
+            h, regions[r] = self.mixer.fused(h, norm, scale, regions[r], inputs, self.index)
+        elif isinstance(self.mixer, Mlp):
+            h = self.mixer.fused(h, norm, scale)
+        else:
+            h = h + scale * self.mixer(self.norm(h))
+        if isinstance(self.ffn, Mlp):
+            h = self.ffn.fused(h, Norm(self.ffn_norm.weight[...], self.ffn_norm.eps), scale)
+        elif self.ffn is not None:
+            h = h + scale * self.ffn(self.ffn_norm(h))
         return h
 
     def _conv(

@@ -26,10 +26,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from backends.fused import Norm
 from backends.protocol import Ops
 from hybridserve.cache.spec import mtp_entries
 from hybridserve.config import ModelConfig
-from hybridserve.layers.linear import param
+from hybridserve.layers.linear import param, transposed
 from hybridserve.layers.multimodal import DmelEncoder, HmlpPatchEncoder
 from hybridserve.layers.norm import RMSNorm
 from hybridserve.layers.step_input import StepInput
@@ -87,12 +88,18 @@ class HybridModel(nnx.Module):
             if cfg.tie_word_embeddings
             else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
         )
+        self.head_rows = False  # `prepare`: the lm_head stored as rows [V, D]
 
-    def merge_projections(self, mesh: Mesh) -> None:
-        """Merge each block's input projections into one kernel per TP rank of `mesh`
-        (`layers.merged`): done once by the runner after loading; checkpoints keep them apart."""
+    def prepare(self, mesh: Mesh) -> None:
+        """Ready the loaded weights for serving on `mesh`, once, in the runner: each block's
+        input projections merged per TP rank (`layers.merged`; checkpoints keep them apart);
+        at TP 1 the dense projections and the lm_head as rows for the fused decode path
+        (`Block.prepare`, `logits(..., normed=False)`)."""
         for layer in self.layers:
-            layer.merge_projections(mesh)
+            layer.prepare(mesh)
+        if mesh.shape["tp"] == 1 and self.lm_head is not None and not self.head_rows:
+            self.lm_head = nnx.Param(transposed(self.lm_head[...]), axes=(None, None))
+            self.head_rows = True
 
     def __call__(
         self,
@@ -101,8 +108,10 @@ class HybridModel(nnx.Module):
         regions: list[jax.Array],
         embeds: jax.Array | None = None,
         embed_mask: jax.Array | None = None,
+        final_norm: bool = True,
     ) -> tuple[jax.Array, list[jax.Array]]:
-        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated regions).
+        """tokens [B, T] -> (final hidden states [B, T, D] after norm_f, updated regions);
+        `final_norm=False`: before norm_f (for `logits(..., normed=False)`).
 
         `embeds` [B, T, D] replace the (scaled) token embeddings where `embed_mask` [B, T] is
         set: the multimodal embeddings at their placeholder tokens (`embed_multimodal`)."""
@@ -112,7 +121,7 @@ class HybridModel(nnx.Module):
         regions = list(regions)
         for layer in self.layers:
             h = layer(h, regions, inputs)
-        return self.norm_f(h), regions
+        return (self.norm_f(h) if final_norm else h), regions
 
     def mtp_step(
         self,
@@ -145,7 +154,14 @@ class HybridModel(nnx.Module):
             raise ValueError("this model takes no audio (its config has no audio encoder)")
         return self.audio(wave)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """[..., D] -> [..., V] float32 logits."""
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return (hidden @ w).astype(jnp.float32) / self.config.logits_scaling
+    def logits(self, hidden: jax.Array, normed: bool = True) -> jax.Array:
+        """[..., D] -> [..., V] float32 logits; `normed=False`: `hidden` is before norm_f,
+        which then runs inside the lm_head's `linear` (one kernel at decode)."""
+        if self.lm_head is not None and not self.head_rows:
+            h = hidden if normed else self.norm_f(hidden)
+            y = h @ self.lm_head[...]
+        else:  # rows [V, D]: the tied embedding, or the lm_head after `prepare`
+            rows = self.embed[...] if self.lm_head is None else self.lm_head[...]
+            norm = None if normed else Norm(self.norm_f.weight[...], self.norm_f.eps)
+            y = self.norm_f.ops.linear(hidden, rows, None, norm)
+        return y.astype(jnp.float32) / self.config.logits_scaling

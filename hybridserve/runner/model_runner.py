@@ -95,7 +95,7 @@ class ModelRunner:
         self.num_pages, self.max_model_len = num_pages, max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.layout = dataclasses.replace(build_layout(cfg, plan), mesh=mesh)
-        model.merge_projections(mesh)  # one GEMM per merged group (`layers.merged`)
+        model.prepare(mesh)  # merged projections; at TP 1 rows for the fused path
         self.graphdef, self.params = nnx.split(model)
         # the programs take the parameters as one flat list: passing the nnx.State tree costs a
         # pytree walk per call (~0.15 ms for 91 leaves on a laptop CPU, several ms for the
@@ -156,14 +156,15 @@ class ModelRunner:
         tokens, positions, lengths, num_drafts, *tables = unpack_ints(packed, shapes)
         inputs = StepInput(positions, lengths, tuple(tables), self.layout)
         model = self._model(leaves)
-        hidden, regions = model(tokens, inputs, regions, embeds, embed_mask)
+        # without the hidden states, norm_f runs inside the lm_head (on the picked rows only)
+        hidden, regions = model(tokens, inputs, regions, embeds, embed_mask, keep_hidden)
         picked = hidden
         if n_logits is not None:  # each row's last token before its drafts, then the drafts
             first = jnp.maximum(inputs.lengths - 1 - num_drafts, 0)
             idx = first[:, None] + jnp.arange(n_logits)[None, :]
             idx = jnp.clip(idx, 0, hidden.shape[1] - 1)
             picked = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [B, n, D]
-        return (model.logits(picked), hidden if keep_hidden else None), regions
+        return (model.logits(picked, keep_hidden), hidden if keep_hidden else None), regions
 
     def _mtp_forward(
         self,
