@@ -1,17 +1,19 @@
-"""`linear` as a Pallas GEMV / skinny GEMM with its norm, bias, activation and residual inside.
+"""`linear` as a Pallas GEMV with its norm, bias, activation and residual inside.
 
 For x [M, K] (M <= MAX_ROWS tokens) and w [N, K] (one row per output feature), each program
-owns `bn` output features, i.e. `bn` contiguous rows of w, and walks K in chunks of `bk`:
-  pass 1 (with a norm): the float32 statistics of its M rows of x (every program recomputes
-          them: x is a few KB, read from L2, against bn * K * 2 bytes of weights);
-  pass 2: x' = norm(x) chunk by chunk (rounded to x's dtype as `rms_norm` / `gated_rms_norm`
-          round it), acc += x' w_chunk^T: a broadcast multiply and row sums when M = 1, the
-          tensor cores (rows padded to 16) otherwise;
-  epilogue: y = acc rounded, + bias, activation, `residual + scale * y`, each step rounded to
-          x's dtype as the unfused ops are, stored for its M rows.
-So a decode layer's norm, GEMV, activation and residual add are one kernel, and the weights
-stream row by row (16-byte loads along K) at the copy bandwidth. Larger M (prefill) goes to the
-xla reference, whose GEMMs are compute-bound there.
+owns `bn` output features, i.e. `bn` contiguous rows of w, and walks K once, in chunks of `bk`
+(16-byte loads along K; the tile is reused for every row of x):
+  part_r += sum_k w[:, k] * x'_r[k],   x' = x * norm_weight (x * silu(z) * norm_weight gated),
+  ss_r   += sum_k x_r[k]^2            (x * silu(z) gated), per norm group,
+and at the end of each group `acc_r += part_r / sqrt(ss_r / size + eps)`: the norm's scale is
+a per-row (per-group) scalar, so it is applied after the sum and the norm costs no second pass
+over x (the unfused ops round the normed x to x's dtype before the GEMM; here it stays float32,
+within one rounding of them). Then the epilogue: y rounded, + bias, the activation,
+`residual + scale * y`, each step rounded to x's dtype as the unfused ops round it.
+So a decode layer's norm, GEMV, activation and residual add are one kernel. Small tiles of N
+(`tiles`) keep each program short and the grid many waves deep, so the last wave costs little.
+More than MAX_ROWS rows (prefill, large batches) go to the xla reference, whose GEMMs are
+compute-bound there.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from backends.fused import Norm
-from backends.pallas._common import dot, interpret, next_pow2, triton_params
+from backends.pallas._common import interpret, triton_params
 from backends.protocol import register
 from backends.xla.linear import ACTIVATIONS, check_linear
 from backends.xla.linear import linear as linear_reference
 
 F32 = jnp.float32
-MAX_ROWS = 16  # tokens the kernel takes; more go to the reference (compute-bound GEMMs)
+MAX_ROWS = 8  # tokens the kernel takes; more go to the reference (compute-bound GEMMs)
 
 
 def _act(y: jax.Array, name: str | None) -> jax.Array:
@@ -47,7 +49,6 @@ def _kernel(
     w_ref,
     *refs,
     m: int,
-    mp: int,
     k: int,
     n: int,
     bn: int,
@@ -68,81 +69,60 @@ def _kernel(
     res_ref = refs.pop(0) if has_res else None
     (o_ref,) = refs
     dtype = x_ref.dtype
-    n0 = pl.program_id(0) * bn
-    rows = jax.lax.broadcasted_iota(jnp.int32, (mp,), 0)
-    row_ok = rows < m
-    cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    cols = pl.program_id(0) * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     col_ok = cols < n
-    full, tail = k // bk, k % bk
+    size = group if norm == "gated" else k  # the norm's group (the whole row for RMSNorm)
+    full, tail = size // bk, size % bk
 
-    def load_x(k0, masked):  # [mp, bk] x (and the gated product) in float32
-        ks = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        ok = row_ok[:, None] & ((ks < k)[None, :] if masked else True)
-        x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
-        if norm == "gated":
-            zs = gate_offset + ks
-            z = plgpu.load(gate_ref.at[rows[:, None], zs[None, :]], mask=ok, other=0).astype(F32)
-            x = x * (z / (1.0 + jnp.exp(-z)))
-        return x, ks
-
-    def chunks(body, init):  # body(k0, masked, carry) over the whole chunks, then the tail
-        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * bk, False, c), init)
-        return body(full * bk, True, carry) if tail else carry
-
-    groups = max(k // group, 1) if norm == "gated" else 1
-    gp = next_pow2(groups)
-    gids = jax.lax.broadcasted_iota(jnp.int32, (gp,), 0)
-    if norm:
-
-        def stats(k0, masked, ss):  # sums of squares per row (and group)
-            x, _ = load_x(k0, masked)
-            s = jnp.sum(x * x, axis=1)[:, None]  # [mp, 1]
+    def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
+        parts, sums = carry  # `end`: the group's end, for the masks of its last (tail) chunk
+        ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        k_ok = None if end is None else ks < end
+        ok = col_ok[:, None] & (True if end is None else k_ok[None, :])
+        w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
+        if norm:
+            nw = plgpu.load(norm_w_ref.at[ks], mask=k_ok, other=0).astype(F32)
+        parts, sums = list(parts), list(sums)
+        for r in range(m):
+            x = plgpu.load(x_ref.at[r, ks], mask=k_ok, other=0).astype(F32)
             if norm == "gated":
-                return ss + jnp.where(gids[None, :] == k0 // group, s, 0.0)
-            return ss + s
+                z = plgpu.load(gate_ref.at[r, gate_offset + ks], mask=k_ok, other=0).astype(F32)
+                x = x * (z / (1.0 + jnp.exp(-z)))
+            if norm:
+                sums[r] = sums[r] + jnp.sum(x * x)
+                x = x * nw
+            parts[r] = parts[r] + jnp.sum(w * x[None, :], axis=1)
+        return parts, sums
 
-        ss = chunks(stats, jnp.zeros((mp, gp if norm == "gated" else 1), F32))
-        rstd = jax.lax.rsqrt(ss / (group if norm == "gated" else k) + eps)
-
-    def prologue(k0, masked):  # [mp, bk] x' in x's dtype
-        x, ks = load_x(k0, masked)
-        if not norm:
-            return x.astype(dtype)
-        if norm == "gated":
-            r = jnp.sum(jnp.where(gids[None, :] == k0 // group, rstd, 0.0), axis=1)[:, None]
-        else:
-            r = rstd
-        wn = plgpu.load(norm_w_ref.at[ks], mask=ks < k, other=0).astype(F32)
-        return ((x * r).astype(dtype).astype(F32) * wn[None, :]).astype(dtype)
-
-    def step(k0, masked, acc):
-        xs = prologue(k0, masked)
-        ks = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        ok = col_ok[:, None] & ((ks < k)[None, :] if masked else True)
-        w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0)  # [bn, bk]
-        if mp == 1:  # a GEMV: broadcast multiply, row sums
-            return acc + jnp.sum(w.astype(F32) * xs.astype(F32), axis=1)[None, :]
-        return acc + dot(xs, w.astype(dtype), 1, 1)  # [mp, bn] on the tensor cores
-
-    acc = chunks(step, jnp.zeros((mp, bn), F32))
-    y = acc.astype(dtype).astype(F32)
+    accs = [jnp.zeros((bn,), F32) for _ in range(m)]
+    for g in range(k // size):  # norm groups (one without a gated norm)
+        base = g * size
+        carry = ([jnp.zeros((bn,), F32)] * m, [jnp.zeros((), F32)] * m)
+        carry = jax.lax.fori_loop(0, full, lambda i, c, b=base: chunk(b + i * bk, None, c), carry)
+        if tail:
+            carry = chunk(base + full * bk, base + size, carry)
+        parts, sums = carry
+        for r in range(m):
+            part = parts[r] * jax.lax.rsqrt(sums[r] / size + eps) if norm else parts[r]
+            accs[r] = accs[r] + part
     if has_bias:
         b = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(F32)
-        y = (y + b[None, :]).astype(dtype).astype(F32)
-    if act:
-        y = _act(y, act).astype(dtype).astype(F32)
-    ok = row_ok[:, None] & col_ok[None, :]
-    if has_res:
-        r = plgpu.load(res_ref.at[rows[:, None], cols[None, :]], mask=ok, other=0).astype(F32)
-        y = r + (scale * y).astype(dtype).astype(F32)
-    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], y.astype(o_ref.dtype), mask=ok)
+    for r in range(m):
+        y = accs[r].astype(dtype).astype(F32)
+        if has_bias:
+            y = (y + b).astype(dtype).astype(F32)
+        if act:
+            y = _act(y, act).astype(dtype).astype(F32)
+        if has_res:
+            res = plgpu.load(res_ref.at[r, cols], mask=col_ok, other=0).astype(F32)
+            y = res + (scale * y).astype(dtype).astype(F32)
+        plgpu.store(o_ref.at[r, cols], y.astype(o_ref.dtype), mask=col_ok)
 
 
 def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
     """(bn, bk, num_warps) for M rows of x times an [N, K] weight (measured on an H200 in
     BENCHMARKS.md, "the fused projections")."""
-    bn = 16 if m <= 1 else 32
-    bk = 512 if m <= 1 else 256
+    bn, bk = 4, 1024
     if group:  # a chunk must lie inside one norm group
         while group % bk:
             bk //= 2
@@ -188,7 +168,8 @@ def linear_tiled(
     *lead, k = x.shape
     n = w.shape[0]
     m = x.size // k
-    mp = 1 if m == 1 else max(16, next_pow2(m))
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"the kernel takes 1 to {MAX_ROWS} rows of x, got {m}")
     gated = norm is not None and norm.gate is not None
     group = (norm.group_size or k) if gated else 0
     if gated and (group % bk or k % group):
@@ -205,7 +186,6 @@ def linear_tiled(
     kernel = functools.partial(
         _kernel,
         m=m,
-        mp=mp,
         k=k,
         n=n,
         bn=bn,
