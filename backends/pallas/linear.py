@@ -44,6 +44,11 @@ def _act(y: jax.Array, name: str | None) -> jax.Array:
     return y
 
 
+def _load(ref: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """A load, masked (zeros elsewhere) when `mask` is given (Triton takes `other` only then)."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
 def _kernel(
     x_ref,
     w_ref,
@@ -81,12 +86,12 @@ def _kernel(
         ok = col_ok[:, None] & (True if end is None else k_ok[None, :])
         w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
         if norm:
-            nw = plgpu.load(norm_w_ref.at[ks], mask=k_ok, other=0).astype(F32)
+            nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
         parts, sums = list(parts), list(sums)
         for r in range(m):
-            x = plgpu.load(x_ref.at[r, ks], mask=k_ok, other=0).astype(F32)
+            x = _load(x_ref.at[r, ks], k_ok).astype(F32)
             if norm == "gated":
-                z = plgpu.load(gate_ref.at[r, gate_offset + ks], mask=k_ok, other=0).astype(F32)
+                z = _load(gate_ref.at[r, gate_offset + ks], k_ok).astype(F32)
                 x = x * (z / (1.0 + jnp.exp(-z)))
             if norm:
                 sums[r] = sums[r] + jnp.sum(x * x)
