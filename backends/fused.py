@@ -22,10 +22,10 @@ Array = jax.Array
 class Norm:
     """The norm `linear` applies to its input first.
 
-    RMSNorm (`gate` None): `n = x / sqrt(mean(x^2) + eps)` over x's last axis (float32),
-    `x' = weight * n.astype(x.dtype)` (`rms_norm`). Gated group RMSNorm (`gate` given):
-    `g = x * silu(z)` with `z = gate[..., gate_offset : gate_offset + K]`, normalised per group of
-    `group_size` channels, `x' = weight * n.astype(x.dtype)` (`gated_rms_norm`)."""
+    RMSNorm (`gate` None): `n = x / sqrt(mean(x^2) + eps)` over x's last axis, or over each
+    group of `group_size` channels when set (float32), `x' = weight * n.astype(x.dtype)`
+    (`rms_norm`). Gated group RMSNorm (`gate` given): the same of `g = x * silu(z)` with
+    `z = gate[..., gate_offset : gate_offset + K]` (`gated_rms_norm`)."""
 
     weight: Array
     eps: float
@@ -61,11 +61,11 @@ class MambaDecode:
     """Where `mamba2_decode_paged` finds its inputs and states (all static).
 
     The projection's columns `cols [B, Wc]` hold x|B|C (`xbc_offset`: Hs*P channels of x, then
-    G*Ns of B and of C) and dt (`dt_offset`: Hs). A state page holds the conv state from word
-    `conv_offset` ([C, W-1] channel-major when `conv_layout` is "DS", [W-1, C] when "SD", C =
-    Hs*P + 2*G*Ns, in `conv_dtype`, two 16-bit values to a word or one 32-bit) and the float32
-    ssm state [Hs, P, Ns] from word `ssm_offset`; page p is region rows
-    [p * page_rows, (p + 1) * page_rows)."""
+    G*Ns of B and of C), dt (`dt_offset`: Hs) and the gate z (`z_offset`: Hs*P). A state page
+    holds the conv state from word `conv_offset` ([C, W-1] channel-major when `conv_layout` is
+    "DS", [W-1, C] when "SD", C = Hs*P + 2*G*Ns, in `conv_dtype`, two 16-bit values to a word
+    or one 32-bit) and the float32 ssm state [Hs, P, Ns] from word `ssm_offset`; page p is
+    region rows [p * page_rows, (p + 1) * page_rows)."""
 
     heads: int
     head_dim: int
@@ -74,6 +74,7 @@ class MambaDecode:
     conv_width: int
     xbc_offset: int
     dt_offset: int
+    z_offset: int
     conv_layout: str
     conv_dtype: str
     conv_offset: int
@@ -107,10 +108,13 @@ class Mamba2DecodePaged(Protocol):
           v = silu(sum_k w[c, k] window[c, k] + bias[c]);  conv state <- window[:, 1:]
           dt = softplus(cols[:, dt] + dt_bias) (clipped to [dt_min, dt_max] when set)
           s' = exp(-dt exp(a_log)) s + dt (x outer b);  y = s' . c + d x   (`mamba2_step`)
-        with x, b, c the parts of v. Row i's states live in page `pages[i]`; `fresh[i]` rows
-        start from zero states (a reused page); rows on page 0 (padding) store nothing.
+          g = y * silu(z),  z = cols[:, z]: the gated norm's product, which the output
+          projection normalises per group (`Norm` with `group_size`, no gate)
+        with x, b, c the parts of v (y and g in float32, g rounded to cols' dtype). Row i's
+        states live in page `pages[i]`; `fresh[i]` rows start from zero states (a reused
+        page); rows on page 0 (padding) store nothing.
 
         Args: region int32 words [1, R, Wd]; pages, fresh [B] int32; cols [B, Wc];
           conv_weight [C, W]; conv_bias [C] or None; dt_bias, a_log, d [Hs] float32.
-        Returns: y [B, Hs * P] in cols' dtype, and the region (donated: written in place).
+        Returns: g [B, Hs * P] in cols' dtype, and the region (donated: written in place).
         """

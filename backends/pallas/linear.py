@@ -32,7 +32,10 @@ from backends.xla.linear import ACTIVATIONS, check_linear
 from backends.xla.linear import linear as linear_reference
 
 F32 = jnp.float32
-MAX_ROWS = 8  # tokens the kernel takes; more go to the reference (compute-bound GEMMs)
+MAX_ROWS = 8  # tokens the kernel can take (`linear_tiled`)
+# tokens the op gives the kernel: at 8 rows its per-row reductions ran 4-20x slower than XLA's
+# GEMM on an H200 (BENCHMARKS.md, "the fused projections"), so more than one goes to the reference
+KERNEL_ROWS = 1
 
 
 def _act(y: jax.Array, name: str | None) -> jax.Array:
@@ -76,7 +79,7 @@ def _kernel(
     dtype = x_ref.dtype
     cols = pl.program_id(0) * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     col_ok = cols < n
-    size = group if norm == "gated" else k  # the norm's group (the whole row for RMSNorm)
+    size = group if norm in ("gated", "group") else k  # the norm's group (or the whole row)
     full, tail = size // bk, size % bk
 
     def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
@@ -127,10 +130,9 @@ def _kernel(
 def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
     """(bn, bk, num_warps) for M rows of x times an [N, K] weight (measured on an H200 in
     BENCHMARKS.md, "the fused projections")."""
-    bn, bk = 4, 1024
-    if group:  # a chunk must lie inside one norm group
-        while group % bk:
-            bk //= 2
+    bn, bk = (8, 1024) if group else (4, 1024)
+    while group and group % bk:  # a chunk must lie inside one norm group
+        bk //= 2
     return bn, bk, 4
 
 
@@ -145,10 +147,10 @@ def linear(
     scale: float = 1.0,
 ) -> jax.Array:
     m = x.size // max(x.shape[-1], 1)
-    if m > MAX_ROWS or m == 0:
+    if m > KERNEL_ROWS or m == 0:
         return linear_reference(x, w, bias, norm, activation, residual, scale)
     n, k = w.shape
-    group = (norm.group_size or k) if norm is not None and norm.gate is not None else 0
+    group = 0 if norm is None else norm.group_size if norm.group_size != k else 0
     bn, bk, warps = tiles(m, n, k, group)
     return linear_tiled(x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps)
 
@@ -176,8 +178,9 @@ def linear_tiled(
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"the kernel takes 1 to {MAX_ROWS} rows of x, got {m}")
     gated = norm is not None and norm.gate is not None
-    group = (norm.group_size or k) if gated else 0
-    if gated and (group % bk or k % group):
+    grouped = norm is not None and norm.group_size not in (0, k)
+    group = (norm.group_size or k) if gated or grouped else 0
+    if group and (group % bk or k % group):
         raise ValueError(f"a chunk of {bk} must lie inside one norm group of {group} (K = {k})")
     args = [x.reshape(m, k), w]
     if norm is not None:
@@ -195,7 +198,7 @@ def linear_tiled(
         n=n,
         bn=bn,
         bk=bk,
-        norm=None if norm is None else ("gated" if gated else "rms"),
+        norm=None if norm is None else ("gated" if gated else "group" if grouped else "rms"),
         eps=0.0 if norm is None else float(norm.eps),
         group=group,
         gate_offset=norm.gate_offset if gated else 0,

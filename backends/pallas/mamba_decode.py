@@ -11,7 +11,8 @@
    even and C is even), so no two programs write one word; within a program, every load of the
    old state happens before a barrier and every store after it. v goes out as one [B, C] array.
 2. The ssm step in place (`ssd_paged.step_packed`): x, B and C read from v at their offsets,
-   dt = softplus(raw + dt_bias) from `cols`, a = -exp(A_log), all inside the kernel.
+   dt = softplus(raw + dt_bias) from `cols`, a = -exp(A_log), and y * silu(z) with z from
+   `cols`, all inside the kernel.
 So a decode step's Mamba2 mixer between its projections is two kernels, with no gather, no
 scatter, no slice and no elementwise kernel around them.
 """
@@ -205,7 +206,7 @@ def mamba2_decode_paged(
     conv_words(geo)
     v, region = conv_in_place(region, pages, fresh, cols, conv_weight, conv_bias, geo)
     hp, gn = geo.heads * geo.head_dim, geo.groups * geo.state_size
-    packed = Packed(0, hp, hp + gn, geo.dt_offset, geo.dt_min, geo.dt_max)
+    packed = Packed(0, hp, hp + gn, geo.dt_offset, geo.z_offset, geo.dt_min, geo.dt_max)
     shape = (geo.heads, geo.head_dim, geo.groups, geo.state_size)
     y, region = step_packed(
         region,

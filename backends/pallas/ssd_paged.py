@@ -33,13 +33,15 @@ TILE = 4096  # state elements per program (32 a thread at 4 warps)
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """Where the packed form (`step_packed`) finds x, b, c (offsets into one [B, *] array) and
-    the raw dt (offset into the projection), and dt's clip range."""
+    """Where the packed form (`step_packed`) finds x, b, c (offsets into one [B, *] array), the
+    raw dt and the gate z (offsets into the projection; y comes back as y * silu(z)), and dt's
+    clip range."""
 
     x_offset: int
     b_offset: int
     c_offset: int
     dt_offset: int
+    z_offset: int
     dt_min: float
     dt_max: float
 
@@ -101,6 +103,10 @@ def _kernel(
     new_raw = jax.lax.bitcast_convert_type(new, jnp.int32)
     plgpu.store(out_ref.at[0, r_idx, w_idx], new_raw, mask=tile_ok & (page > 0))
     y = jnp.sum(new * c[None, :], axis=1) + d_ref[h].astype(F32) * x
+    if packed is not None:  # the gate of the gated norm: y * silu(z)
+        zs = packed.z_offset + h * p + rows
+        z = plgpu.load(dt_ref.at[i, zs], mask=row_ok, other=0).astype(F32)
+        y = y * (z / (1.0 + jnp.exp(-z)))
     plgpu.store(y_ref.at[i, h, rows], y.astype(y_ref.dtype), mask=row_ok)
 
 
@@ -179,8 +185,9 @@ def step_packed(
 ) -> tuple[jax.Array, jax.Array]:
     """`mamba2_step_paged` reading x, b and c from one array `xbc` [B, *] at the offsets of
     `packed`, dt raw from `cols` [B, *] (softplus(raw + dt_bias) inside, clipped as `packed`
-    says) and a as `a_log` (a = -exp(a_log)): no slice, no dt or a kernel before it.
-    shape = (Hs, P, G, Ns). Returns y [B, Hs, P] in xbc's dtype and the region."""
+    says) and a as `a_log` (a = -exp(a_log)): no slice, no dt or a kernel before it; it gives
+    back y * silu(z), z from `cols` too. shape = (Hs, P, G, Ns). Returns the gated y
+    [B, Hs, P] in xbc's dtype and the region."""
     nh = shape[0]
     tile = TILE if xbc.shape[0] * nh < 4096 else TILE // 2
     flat = (xbc, cols, a_log, xbc, xbc, d)

@@ -37,10 +37,12 @@ def check_linear(
         return
     if norm.weight.shape != (k,):
         raise ValueError(f"linear: norm weight {norm.weight.shape} must be [{k}]")
+    group = norm.group_size or k
+    if k % group:
+        raise ValueError(f"linear: norm groups of {group} do not divide K = {k}")
     if norm.gate is not None:
-        group = norm.group_size or k
-        if k % group or norm.gate.shape[:-1] != x.shape[:-1]:
-            raise ValueError(f"linear: gate {norm.gate.shape} / group {group} do not fit x")
+        if norm.gate.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"linear: gate {norm.gate.shape} does not fit x {x.shape}")
         if not 0 <= norm.gate_offset <= norm.gate.shape[-1] - k:
             raise ValueError(f"linear: gate offset {norm.gate_offset} + {k} past the gate")
 
@@ -51,6 +53,13 @@ def _activate(y: jax.Array, name: str | None) -> jax.Array:
     if name == "silu":
         return jax.nn.silu(y)
     return y
+
+
+def _group_rms(x: jax.Array, weight: jax.Array, eps: float, group: int) -> jax.Array:
+    """RMSNorm per group of `group` channels (as `rms_norm` rounds it)."""
+    x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, group)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.reshape(x.shape).astype(x.dtype)
 
 
 def through(rms: Callable, gated: Callable) -> Callable:
@@ -68,7 +77,9 @@ def through(rms: Callable, gated: Callable) -> Callable:
     ) -> jax.Array:
         check_linear(x, w, bias, norm, activation, residual)
         h = x
-        if norm is not None and norm.gate is None:
+        if norm is not None and norm.gate is None and norm.group_size not in (0, x.shape[-1]):
+            h = _group_rms(x, norm.weight, norm.eps, norm.group_size)
+        elif norm is not None and norm.gate is None:
             h = rms(x, norm.weight, norm.eps)
         elif norm is not None:
             z = norm.gate[..., norm.gate_offset : norm.gate_offset + x.shape[-1]]

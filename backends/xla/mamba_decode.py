@@ -1,7 +1,7 @@
 """`mamba2_decode_paged` from the unfused ops: the conv state's rows gathered, one conv step,
 the rows scattered back (words past the state unchanged), dt and a, then the backend's
-`mamba2_step_paged` on the ssm state. `through(conv_step, ssm_paged)` builds the op from any
-backend's two ops (the torch backend reuses it)."""
+`mamba2_step_paged` on the ssm state, and the gate `y * silu(z)`. `through(conv_step,
+ssm_paged)` builds the op from any backend's two ops (the torch backend reuses it)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def check_geometry(geo: MambaDecode, cols: jax.Array, region: jax.Array) -> None
     if geo.heads % geo.groups:
         raise ValueError(f"{geo.heads} ssm heads do not split into {geo.groups} groups")
     width = cols.shape[-1]
-    if geo.xbc_offset + geo.channels > width or geo.dt_offset + geo.heads > width:
-        raise ValueError(f"x|B|C or dt run past the projection's {width} columns")
+    hp = geo.heads * geo.head_dim
+    if max(geo.xbc_offset + geo.channels, geo.dt_offset + geo.heads, geo.z_offset + hp) > width:
+        raise ValueError(f"x|B|C, dt or z run past the projection's {width} columns")
     if geo.conv_offset + conv_words(geo) > geo.ssm_offset:
         raise ValueError("the conv state overlaps the ssm state")
 
@@ -106,7 +107,9 @@ def through(conv_step: Callable, ssm_paged: Callable) -> Callable:
         y, region = ssm_paged(
             region, pages, fresh, x, dt, a, b, c, d, geo.ssm_offset, geo.page_rows
         )
-        return y.reshape(bsz, hp), region
+        z = cols[:, geo.z_offset : geo.z_offset + hp].astype(jnp.float32)
+        g = y.reshape(bsz, hp).astype(jnp.float32) * jax.nn.silu(z)
+        return g.astype(cols.dtype), region
 
     return decode
 

@@ -161,20 +161,17 @@ class Mamba2(nnx.Module):
         cfg, acc = self.cfg, inputs.layout.layers[layer]
         bsz, t, _ = h.shape
         cols = self.in_proj.ranks(h, norm)  # [B, T, 1, Wr]
-        if t == 1 and in_place(acc):
+        group = cfg.intermediate_size // cfg.n_groups
+        if t == 1 and in_place(acc):  # y * silu(z) from the op: the norm is per group only
             y, region = decode_fused(self, cols[:, 0, 0], region, acc, inputs)
+            out_norm = Norm(self.norm_weight[...], self.eps, group_size=group)
         else:
             proj = {part.name: self.in_proj.cut(cols, part.name) for part in self.in_proj.parts}
             y, region = self._mix(proj, region, inputs, layer)
-        gate = Norm(
-            self.norm_weight[...],
-            self.eps,
-            cols[:, :, 0],
-            self.in_proj.part("z").offset,
-            cfg.intermediate_size // cfg.n_groups,
-        )
+            z_at = self.in_proj.part("z").offset
+            out_norm = Norm(self.norm_weight[...], self.eps, cols[:, :, 0], z_at, group)
         y = y.reshape(bsz, t, cfg.num_heads, cfg.head_dim)
-        return self.out_proj(y, norm=gate, residual=h, scale=scale), region
+        return self.out_proj(y, norm=out_norm, residual=h, scale=scale), region
 
     def _mix(
         self, proj: dict[str, jax.Array], region: jax.Array, inputs: StepInput, layer: int

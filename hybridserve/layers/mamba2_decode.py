@@ -2,9 +2,9 @@
 
 - `decode_fused` (TP 1, projections as rows): the whole mixer between its two projections is
   the backend's `mamba2_decode_paged`: the conv state stepped in place, then the ssm state,
-  with dt and a inside (`backends.fused`). It reads x|B|C and dt straight from the merged
-  projection's columns and gives y [B, Hs * P] to the output projection, which takes the gated
-  norm (z read from the same columns) and the residual add.
+  with dt, a and the gate y * silu(z) inside (`backends.fused`). It reads x|B|C, dt and z
+  straight from the merged projection's columns and gives y * silu(z) [B, Hs * P] to the
+  output projection, which takes the group norm and the residual add.
 - `decode_ranks` (any TP, merged kernels): each rank's x|B|C columns are contiguous in the
   merged projection and in its state page, so one conv step runs over all of them
   (`read_conv_ranks`), then the in-place ssm step per rank (`step_in_place`).
@@ -43,6 +43,7 @@ def geometry(mixer: Mamba2, acc: MambaAccess, page_rows: int) -> MambaDecode:
         conv_width=cfg.conv_kernel,
         xbc_offset=proj.part("x").offset,
         dt_offset=proj.part("dt").offset,
+        z_offset=proj.part("z").offset,
         conv_layout=acc.layout,
         conv_dtype=acc.conv_dtype,
         conv_offset=0,
@@ -56,7 +57,8 @@ def geometry(mixer: Mamba2, acc: MambaAccess, page_rows: int) -> MambaDecode:
 def decode_fused(
     mixer: Mamba2, cols: jax.Array, region: jax.Array, acc: MambaAccess, inputs: StepInput
 ) -> tuple[jax.Array, jax.Array]:
-    """One token from the merged columns cols [B, Wr] (TP 1): (y [B, 1, Hs * P], region)."""
+    """One token from the merged columns cols [B, Wr] (TP 1): (y * silu(z) [B, 1, Hs * P],
+    region): the gated norm's product, which the output projection normalises per group."""
     bias = mixer.conv_bias_merged
     y, region = mixer.ops.mamba2_decode_paged(
         region,

@@ -49,6 +49,7 @@ def _close(got, ref, tol: float) -> None:
 
 CASES = {  # name: (norm kind, bias, activation, residual)
     "plain": (None, False, None, False),
+    "group_residual": ("group", False, None, True),
     "rms_relu2": ("rms", False, "relu2", False),
     "gated_residual": ("gated", True, None, True),
     "rms_silu_residual": ("rms", True, "silu", True),
@@ -85,6 +86,7 @@ def _linear_numpy(x, w, bias, norm, activation, residual, scale):
                 :, norm.gate_offset : norm.gate_offset + x.shape[1]
             ]
             x = x * z / (1 + np.exp(-z))
+        if norm.group_size:
             g = x.reshape(x.shape[0], -1, norm.group_size)
             x = (g / np.sqrt((g * g).mean(-1, keepdims=True) + norm.eps)).reshape(x.shape)
         else:
@@ -145,7 +147,8 @@ def _geometry(layout: str, conv_dtype: str) -> MambaDecode:
     conv_words = ch * (W - 1) * jnp.dtype(conv_dtype).itemsize // 4
     ssm_offset = 2 + conv_words + 3  # words between the states
     rows = -(-(ssm_offset + HS * P * NS + 5) // WIDTH)
-    return MambaDecode(HS, P, G, NS, W, 5, 5 + ch + 2, layout, conv_dtype, 2, ssm_offset, rows)
+    xbc, dt, z = 5, 5 + ch + 2, 5 + ch + 2 + HS + 1  # z after dt
+    return MambaDecode(HS, P, G, NS, W, xbc, dt, z, layout, conv_dtype, 2, ssm_offset, rows)
 
 
 def _decode_case(geo: MambaDecode, seed: int):
@@ -161,7 +164,7 @@ def _decode_case(geo: MambaDecode, seed: int):
     flat[:, geo.ssm_offset : geo.ssm_offset + HS * P * NS] = ssm.view(np.int32)
     pages = np.array([3, 0, 7, 9], np.int32)  # a padding row on the null page
     fresh = np.array([0, 0, 0, 1], np.int32)  # a reused page: zero states
-    cols = jnp.asarray(rng.standard_normal((4, geo.dt_offset + HS + 3)), jnp.bfloat16)
+    cols = jnp.asarray(rng.standard_normal((4, geo.z_offset + HS * P + 3)), jnp.bfloat16)
     weights = (
         jnp.asarray(rng.standard_normal((ch, geo.conv_width)) / 2, jnp.bfloat16),
         jnp.asarray(rng.standard_normal(ch) / 4, jnp.bfloat16),
@@ -203,7 +206,9 @@ def _decode_numpy(geo, region, pages, fresh, cols, weights, np_conv):
         s = np.zeros((HS, P, NS)) if fresh[i] else s.reshape(HS, P, NS).astype(np.float64)
         new = np.exp(-dt * np.exp(a_log))[:, None, None] * s
         new = new + (dt[:, None] * x)[:, :, None] * b[:, None, :]
-        ys[i] = (np.einsum("hpn,hn->hp", new, c) + d[:, None] * x).reshape(-1)
+        y = (np.einsum("hpn,hn->hp", new, c) + d[:, None] * x).reshape(-1)
+        z = cols[i, geo.z_offset : geo.z_offset + HS * P]
+        ys[i] = y * z / (1 + np.exp(-z))  # the gate of the gated norm
         if page:
             conv_words = new_conv.reshape(-1).astype(np_conv).view(np.int32)
             flat[page, geo.conv_offset : geo.conv_offset + n] = conv_words
