@@ -64,7 +64,11 @@ def _kernel(
     rel,
     split,
     far,
+    splits,
 ):
+    lse_ref = None
+    if splits > 1:
+        *refs, lse_ref = refs
     if rel:
         rq_ref, emb_ref, bound_ref, widths_ref, o_ref = refs
         far_start, far_bucket = far
@@ -79,6 +83,16 @@ def _kernel(
     hi = jnp.minimum(kv_len, p_max + 1)
     lo = jnp.zeros_like(hi) if window is None else jnp.maximum(p_min - window + 1, 0)
     first, last = lo // block_k, (hi + block_k - 1) // block_k
+    if splits > 1:  # split-KV: this program takes its share of the key blocks
+        per = (last - first + splits - 1) // splits
+        own_lo = jnp.minimum(first + pl.program_id(3) * per, last)
+        own_hi = jnp.minimum(own_lo + per, last)
+    else:
+        own_lo, own_hi = first, last
+
+    def mine(b):  # a loop bound clipped to this program's blocks
+        return jnp.clip(b, own_lo, own_hi)
+
     if rel:
         bounds = bound_ref[...]  # [nb] bucket starts, padded with FAR
         # every row's bias at every bucket, once per program: [block_m, nb]
@@ -151,7 +165,7 @@ def _kernel(
             # Far blocks (every distance in the last bucket): a per-row constant bias.
             far_end = jnp.clip((p_min - far_start + 1) // block_k, first, inner)
             far_body = functools.partial(unmasked, bias=column(far_bucket))
-            init = jax.lax.fori_loop(first, far_end, far_body, init)
+            init = jax.lax.fori_loop(mine(first), mine(far_end), far_body, init)
             # Mid blocks: distances from `d_mid` on, where every bucket is at least as wide as
             # a tile's distance span, so a tile spans at most two buckets.
             span = block_k - 1 + p_max - p_min
@@ -159,14 +173,16 @@ def _kernel(
             d_mid = bound_ref[pl.ds(b_mid, 1)][0]
             mid_end = jnp.clip((p_min - d_mid + 1) // block_k, far_end, inner)
             mid_body = functools.partial(unmasked, bias=mid_bias)
-            init = jax.lax.fori_loop(far_end, mid_end, mid_body, init)
+            init = jax.lax.fori_loop(mine(far_end), mine(mid_end), mid_body, init)
             first, unmasked = mid_end, functools.partial(unmasked, bias=near_bias)
-        init = jax.lax.fori_loop(first, inner, unmasked, init)
+        init = jax.lax.fori_loop(mine(first), mine(inner), unmasked, init)
         first = inner
     masked = functools.partial(body, bias=near_bias if rel else None)
-    acc, _, s = jax.lax.fori_loop(first, last, masked, init)
+    acc, m, s = jax.lax.fori_loop(mine(first), mine(last), masked, init)
     out = jnp.where(s[:, None] > 0, acc / jnp.where(s > 0, s, 1.0)[:, None], 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
+    if lse_ref is not None:  # log-sum-exp of this split's logits (NEG: it saw no key)
+        lse_ref[...] = jnp.where(s > 0, m + jnp.log(jnp.where(s > 0, s, 1.0)), NEG)
 
 
 def paged_attention_tiled(
@@ -186,9 +202,12 @@ def paged_attention_tiled(
     block_k: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    splits: int = 1,
 ) -> jax.Array:
     """`paged_attention` with explicit tiles: `block_m` query rows (tokens x heads of a kv
-    group) and `block_k` keys per step (rounded to whole pages); the benchmark sweeps them."""
+    group) and `block_k` keys per step (rounded to whole pages); the benchmark sweeps them.
+    `splits` > 1: split-KV, each (row, kv head, row tile) program's key blocks shared among
+    that many programs, whose normalised outputs are merged by their log-sum-exps."""
     bsz, t, nq, hd = q.shape
     joint = v_pages is None  # [Pg, 2, K, page, H]: both halves read from the one array
     if joint and (k_pages.ndim != 5 or k_pages.shape[1] != 2):
@@ -213,22 +232,23 @@ def paged_attention_tiled(
 
     pos = jnp.repeat(q_positions.astype(jnp.int32), ratio, axis=1)
     pos = jnp.pad(pos, ((0, 0), (0, mp - rows)), mode="edge")
-    row_spec = lambda w: pl.BlockSpec((None, None, bm, w), lambda b, h, i: (b, h, i, 0))  # noqa: E731
+    row_spec = lambda w: pl.BlockSpec((None, None, bm, w), lambda b, h, i, *_: (b, h, i, 0))  # noqa: E731
     if joint:
         kv_p = pad_axis(k_pages, 4, hp)
         block = (kv_p.shape[0], None, None, page, hp)
         page_specs = [
-            pl.BlockSpec(block, lambda b, h, i, half=half: (0, half, h, 0, 0)) for half in (0, 1)
+            pl.BlockSpec(block, lambda b, h, i, *_, half=half: (0, half, h, 0, 0))
+            for half in (0, 1)
         ]
         pages_args = [kv_p, kv_p]
     else:
         k_p, v_p = pad_axis(k_pages, 3, hp), pad_axis(v_pages, 3, hp)
-        spec = pl.BlockSpec((k_p.shape[0], None, page, hp), lambda b, h, i: (0, h, 0, 0))
+        spec = pl.BlockSpec((k_p.shape[0], None, page, hp), lambda b, h, i, *_: (0, h, 0, 0))
         page_specs, pages_args = [spec, spec], [k_p, v_p]
     in_specs = [
-        pl.BlockSpec((None, nblk), lambda b, h, i: (b, 0)),
-        pl.BlockSpec((1,), lambda b, h, i: (b,)),
-        pl.BlockSpec((None, bm), lambda b, h, i: (b, i)),
+        pl.BlockSpec((None, nblk), lambda b, h, i, *_: (b, 0)),
+        pl.BlockSpec((1,), lambda b, h, i, *_: (b,)),
+        pl.BlockSpec((None, bm), lambda b, h, i, *_: (b, i)),
         row_spec(hp),
         *page_specs,
     ]
@@ -244,9 +264,9 @@ def paged_attention_tiled(
         emb = pad_axis(pad_axis(rel_table, 1, rp), 0, nb)
         in_specs += [
             row_spec(rp),
-            pl.BlockSpec((nb, rp), lambda b, h, i: (0, 0)),
-            pl.BlockSpec((nb,), lambda b, h, i: (0,)),
-            pl.BlockSpec((nb,), lambda b, h, i: (0,)),
+            pl.BlockSpec((nb, rp), lambda b, h, i, *_: (0, 0)),
+            pl.BlockSpec((nb,), lambda b, h, i, *_: (0,)),
+            pl.BlockSpec((nb,), lambda b, h, i, *_: (0,)),
         ]
         args += [fold(rel_q, rp), emb, bounds, widths]
     # Unmasked blocks first: +50% for prefill on an H200, but 1.5x slower for decode rows over
@@ -254,18 +274,44 @@ def paged_attention_tiled(
     split = sliding_window is None and (pages == 1 or t > 1)
     far = (starts[-1], len(starts) - 1) if rel else None  # the last bucket: start, index
     kernel = functools.partial(
-        _kernel, pages=pages, scale=scale, window=sliding_window, rel=rel, split=split, far=far
+        _kernel,
+        pages=pages,
+        scale=scale,
+        window=sliding_window,
+        rel=rel,
+        split=split,
+        far=far,
+        splits=splits,
     )
+    grid = (bsz, nkv, mp // bm)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((bsz, nkv, mp, hp), q.dtype)
+        out_specs = row_spec(hp)
+    else:  # per split: its normalised output (float32) and its log-sum-exp
+        grid += (splits,)
+        out_shape = (
+            jax.ShapeDtypeStruct((bsz, nkv, splits, mp, hp), F32),
+            jax.ShapeDtypeStruct((bsz, nkv, splits, mp), F32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, None, bm, hp), lambda b, h, i, s: (b, h, s, i, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda b, h, i, s: (b, h, s, i)),
+        )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bsz, nkv, mp, hp), q.dtype),
-        grid=(bsz, nkv, mp // bm),
+        out_shape=out_shape,
+        grid=grid,
         in_specs=in_specs,
-        out_specs=row_spec(hp),
+        out_specs=out_specs,
         interpret=interp,
         compiler_params=triton_params(num_warps, num_stages),
         name="paged_attention",
     )(*args)
+    if splits > 1:  # out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s
+        parts, lse = out
+        weight = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
+        weight = weight / jnp.sum(weight, axis=2, keepdims=True)
+        out = jnp.sum(weight[..., None] * parts, axis=2).astype(q.dtype)
     out = out[:, :, :rows, :hd].reshape(bsz, nkv, t, ratio, hd).transpose(0, 2, 1, 3, 4)
     return out.reshape(bsz, t, nq, hd)
 
@@ -285,8 +331,22 @@ def paged_attention(
     rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
     # Decode steps over small pages were fastest with 32-key blocks on an H200 (BENCHMARKS.md).
-    block_k = 32 if q.shape[1] == 1 and k_pages.shape[-2] < 32 else 64
+    decode = q.shape[1] == 1
+    block_k = 32 if decode and k_pages.shape[-2] < 32 else 64
     return paged_attention_tiled(
         q, k_pages, v_pages, block_table, q_positions, kv_lengths, scale, sliding_window,
         rel_q, rel_table, rel_bias, block_k=block_k,
+        splits=decode_splits(q, k_pages, block_table, block_k) if decode else 1,
     )  # fmt: skip
+
+
+SPLIT_PROGRAMS = 256  # split-KV grows a small decode grid to about this many programs
+
+
+def decode_splits(q: jax.Array, k_pages: jax.Array, block_table: jax.Array, block_k: int) -> int:
+    """Split-KV for a decode step: one program per (row, kv head) walks its whole context
+    (batch 1 of an 8-kv-head model: 8 programs on 132 multiprocessors), so the key blocks
+    are shared among more programs while the grid is small; at least two blocks each."""
+    programs = q.shape[0] * k_pages.shape[-3]
+    blocks = block_table.shape[1] * k_pages.shape[-2] // block_k
+    return max(1, min(SPLIT_PROGRAMS // programs, blocks // 2))
