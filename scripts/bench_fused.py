@@ -132,14 +132,14 @@ def bench_linear(args, bw: float) -> list[dict]:
         plain = dict(case, w=[w.T for w in case["w"]], norm=None, act=None, res=None)
         t_kn, _ = timed(lambda x, w, nm, a, r: jnp.dot(x, w), plain, args.reps)
         record("xla kn", t_kn)
-        default = tiles(n, k, k // 8 if shape[3] in ("gated", "group") else 0)
+        default = tiles(m, n, k, k // 8 if shape[3] == "group" else 0)
         grid = args.grid or [f"{bn},{bk},{w},{s}" for bn, bk, w, s in sweep(m)]
         if not args.smoke and name not in args.sweep:
             grid = []
         for spec in dict.fromkeys([",".join(map(str, (*default, 0))), *grid]):
             bn, bk, warps, stages = (int(v) for v in spec.split(","))
-            if shape[3] in ("gated", "group"):
-                bk = min(bk, 1 << ((k // 8).bit_length() - 1))
+            if shape[3] == "group" and (k // 8) % bk:
+                bk = math.gcd(bk, k // 8)
             fn = lambda x, w, nm, a, r, bn=bn, bk=bk, wp=warps, st=stages: linear_tiled(  # noqa: E731
                 x, w, None, nm, a, r, 1.0, bn=bn, bk=bk, warps=wp, stages=st or None
             )
@@ -153,7 +153,9 @@ def bench_linear(args, bw: float) -> list[dict]:
 
 
 def sweep(m: int) -> list[tuple[int, int, int, int]]:
-    return list(itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (0,))) if m == 1 else []
+    if m == 1:
+        return list(itertools.product((2, 4, 8), (1024, 2048), (4, 8), (0,)))
+    return list(itertools.product((2, 4, 8), (512, 1024), (4,), (0,)))
 
 
 def bench_mamba(args, bw: float) -> list[dict]:
@@ -214,7 +216,7 @@ def bench_mamba(args, bw: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="tokens M")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="tokens M")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="Mamba rows")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--region-gib", type=float, default=4.0)
@@ -231,7 +233,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check)")
     args = parser.parse_args()
     if args.smoke:
-        args.rows, args.batch, args.reps, args.region_gib = [1], [2], 2, 0.001
+        args.rows, args.batch, args.reps, args.region_gib = [1, 3], [2], 2, 0.001
         args.grid = args.grid or ["16,32,4,0"]
     bw = copy_bandwidth(2**20 if args.smoke else 2**32)
     device = jax.devices()[0]

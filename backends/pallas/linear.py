@@ -1,19 +1,19 @@
 """`linear` as a Pallas GEMV with its norm, bias, activation and residual inside.
 
-For one row x [1, K] and w [N, K] (one row per output feature), each program owns `bn` output
-features, i.e. `bn` contiguous rows of w, and walks K in chunks of `bk` (16-byte loads along
-K), accumulating the products elementwise in a [bn, bk] tile that is summed once at the end:
-  acc[n] = sum_k w[n, k] x'[k],   x' = x * scale(k) * norm_weight  (x * silu(z) gated).
-RMSNorm's scale is one scalar, `1 / sqrt(mean(x^2) + eps)`, applied after the sum (its sum
-of squares accumulates in the same pass); a group norm's scale depends on k's group, so its
-statistics come first, in a pass over x alone (a few KB, from L2), and a chunk (bk <= group)
-spans at most two groups. The unfused ops round the normed x to x's dtype before the GEMM;
-here it stays float32, within one rounding of them. Then the epilogue: y rounded, + bias, the
-activation, `residual + scale * y`, each step rounded to x's dtype as the unfused ops round it.
+For x [M, K] (M <= MAX_ROWS tokens) and w [N, K] (one row per output feature), each program
+owns `bn` output features, i.e. `bn` contiguous rows of w, and walks K once, in chunks of `bk`
+(16-byte loads along K; the tile is reused for every row of x):
+  part_r += sum_k w[:, k] * x'_r[k],   x' = x * norm_weight (x * silu(z) * norm_weight gated),
+  ss_r   += sum_k x_r[k]^2            (x * silu(z) gated), per norm group,
+and at the end of each group `acc_r += part_r / sqrt(ss_r / size + eps)`: the norm's scale is
+a per-row (per-group) scalar, so it is applied after the sum and the norm costs no second pass
+over x (the unfused ops round the normed x to x's dtype before the GEMM; here it stays float32,
+within one rounding of them). Then the epilogue: y rounded, + bias, the activation,
+`residual + scale * y`, each step rounded to x's dtype as the unfused ops round it.
 So a decode layer's norm, GEMV, activation and residual add are one kernel. Small tiles of N
 (`tiles`) keep each program short and the grid many waves deep, so the last wave costs little.
-More than one row (prefill, batches) goes to the xla reference: at 8 rows a kernel of this
-shape ran 4-20x slower than XLA's GEMM on an H200 (BENCHMARKS.md, "the fused projections").
+More than MAX_ROWS rows (prefill, large batches) go to the xla reference, whose GEMMs are
+compute-bound there.
 """
 
 from __future__ import annotations
@@ -26,12 +26,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from backends.fused import Norm
-from backends.pallas._common import interpret, next_pow2, triton_params
+from backends.pallas._common import interpret, triton_params
 from backends.protocol import register
 from backends.xla.linear import ACTIVATIONS, check_linear
 from backends.xla.linear import linear as linear_reference
 
 F32 = jnp.float32
+MAX_ROWS = 8  # tokens the kernel can take (`linear_tiled`)
+# tokens the op gives the kernel: at 8 rows its per-row reductions ran 4-20x slower than XLA's
+# GEMM on an H200 (BENCHMARKS.md, "the fused projections"), so more than one goes to the reference
+KERNEL_ROWS = 1
 
 
 def _act(y: jax.Array, name: str | None) -> jax.Array:
@@ -52,6 +56,7 @@ def _kernel(
     x_ref,
     w_ref,
     *refs,
+    m: int,
     k: int,
     n: int,
     bn: int,
@@ -75,82 +80,60 @@ def _kernel(
     cols = pl.program_id(0) * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     col_ok = cols < n
     size = group if norm in ("gated", "group") else k  # the norm's group (or the whole row)
-    grouped = norm is not None and size < k
-    full, tail = k // bk, k % bk
-    gids = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(k // size),), 0)
+    full, tail = size // bk, size % bk
 
-    def keys(start, end):  # the chunk's k and its mask (None: a whole chunk)
+    def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
+        parts, sums = carry  # `end`: the group's end, for the masks of its last (tail) chunk
         ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        return ks, None if end is None else ks < end
-
-    def x_at(ks, k_ok):  # x (times silu(z) when gated), float32 [bk]
-        x = _load(x_ref.at[0, ks], k_ok).astype(F32)
-        if norm == "gated":
-            z = _load(gate_ref.at[0, gate_offset + ks], k_ok).astype(F32)
-            x = x * (z / (1.0 + jnp.exp(-z)))
-        return x
-
-    def chunks(body, init):  # body(start, end, carry) over K: whole chunks, then the tail
-        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * bk, None, c), init)
-        return body(full * bk, k, carry) if tail else carry
-
-    def two_groups(start):  # a chunk's first group, and which of its keys lie in it
-        g = start // size
-        ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        return g, ks // size == g
-
-    if grouped:  # each group's sum of squares first (x alone)
-
-        def stats(start, end, ss):
-            ks, k_ok = keys(start, end)
-            x2 = x_at(ks, k_ok) ** 2
-            g, first = two_groups(start)
-            lo = jnp.sum(jnp.where(first, x2, 0.0))
-            hi = jnp.sum(x2) - lo
-            return ss + jnp.where(gids == g, lo, 0.0) + jnp.where(gids == g + 1, hi, 0.0)
-
-        rstd = jax.lax.rsqrt(chunks(stats, jnp.zeros(gids.shape, F32)) / size + eps)
-
-    def step(start, end, carry):
-        acc, ssq = carry
-        ks, k_ok = keys(start, end)
-        ok = col_ok[:, None] & (True if k_ok is None else k_ok[None, :])
+        k_ok = None if end is None else ks < end
+        ok = col_ok[:, None] & (True if end is None else k_ok[None, :])
         w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
-        x = x_at(ks, k_ok)
-        if grouped:  # the scale of each key's group (of at most two)
-            g, first = two_groups(start)
-            r_lo = jnp.sum(jnp.where(gids == g, rstd, 0.0))
-            r_hi = jnp.sum(jnp.where(gids == g + 1, rstd, 0.0))
-            x = x * jnp.where(first, r_lo, r_hi)
-        elif norm:
-            ssq = ssq + x * x
         if norm:
-            x = x * _load(norm_w_ref.at[ks], k_ok).astype(F32)
-        return acc + w * x[None, :], ssq
+            nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
+        parts, sums = list(parts), list(sums)
+        for r in range(m):
+            x = _load(x_ref.at[r, ks], k_ok).astype(F32)
+            if norm == "gated":
+                z = _load(gate_ref.at[r, gate_offset + ks], k_ok).astype(F32)
+                x = x * (z / (1.0 + jnp.exp(-z)))
+            if norm:
+                sums[r] = sums[r] + jnp.sum(x * x)
+                x = x * nw
+            parts[r] = parts[r] + jnp.sum(w * x[None, :], axis=1)
+        return parts, sums
 
-    acc, ssq = chunks(step, (jnp.zeros((bn, bk), F32), jnp.zeros((bk,), F32)))
-    acc = jnp.sum(acc, axis=1)
-    if norm and not grouped:  # RMSNorm's one scale, after the sum
-        acc = acc * jax.lax.rsqrt(jnp.sum(ssq) / k + eps)
-    y = acc.astype(dtype).astype(F32)
+    accs = [jnp.zeros((bn,), F32) for _ in range(m)]
+    for g in range(k // size):  # norm groups (one without a gated norm)
+        base = g * size
+        carry = ([jnp.zeros((bn,), F32)] * m, [jnp.zeros((), F32)] * m)
+        carry = jax.lax.fori_loop(0, full, lambda i, c, b=base: chunk(b + i * bk, None, c), carry)
+        if tail:
+            carry = chunk(base + full * bk, base + size, carry)
+        parts, sums = carry
+        for r in range(m):
+            part = parts[r] * jax.lax.rsqrt(sums[r] / size + eps) if norm else parts[r]
+            accs[r] = accs[r] + part
     if has_bias:
         b = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(F32)
-        y = (y + b).astype(dtype).astype(F32)
-    if act:
-        y = _act(y, act).astype(dtype).astype(F32)
-    if has_res:
-        res = plgpu.load(res_ref.at[0, cols], mask=col_ok, other=0).astype(F32)
-        y = res + (scale * y).astype(dtype).astype(F32)
-    plgpu.store(o_ref.at[0, cols], y.astype(o_ref.dtype), mask=col_ok)
+    for r in range(m):
+        y = accs[r].astype(dtype).astype(F32)
+        if has_bias:
+            y = (y + b).astype(dtype).astype(F32)
+        if act:
+            y = _act(y, act).astype(dtype).astype(F32)
+        if has_res:
+            res = plgpu.load(res_ref.at[r, cols], mask=col_ok, other=0).astype(F32)
+            y = res + (scale * y).astype(dtype).astype(F32)
+        plgpu.store(o_ref.at[r, cols], y.astype(o_ref.dtype), mask=col_ok)
 
 
-def tiles(n: int, k: int, group: int = 0) -> tuple[int, int, int]:
-    """(bn, bk, num_warps) for one row of x times an [N, K] weight (measured on an H200 in
+def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
+    """(bn, bk, num_warps) for M rows of x times an [N, K] weight (measured on an H200 in
     BENCHMARKS.md, "the fused projections")."""
-    bk = 1024
-    while group and bk > group:  # a chunk spans at most two norm groups
+    bn, bk = (8, 1024) if group else (4, 1024)
+    while group and group % bk:  # a chunk must lie inside one norm group
         bk //= 2
-    return 4, bk, 4
+    return bn, bk, 4
 
 
 @register("linear", "pallas")
@@ -163,11 +146,12 @@ def linear(
     residual: jax.Array | None = None,
     scale: float = 1.0,
 ) -> jax.Array:
-    if x.size != x.shape[-1] or x.size == 0:  # more than one row: the reference's GEMM
+    m = x.size // max(x.shape[-1], 1)
+    if m > KERNEL_ROWS or m == 0:
         return linear_reference(x, w, bias, norm, activation, residual, scale)
     n, k = w.shape
     group = 0 if norm is None else norm.group_size if norm.group_size != k else 0
-    bn, bk, warps = tiles(n, k, group)
+    bn, bk, warps = tiles(m, n, k, group)
     return linear_tiled(x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps)
 
 
@@ -191,13 +175,13 @@ def linear_tiled(
     *lead, k = x.shape
     n = w.shape[0]
     m = x.size // k
-    if m != 1:
-        raise ValueError(f"the kernel takes one row of x, got {m}")
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"the kernel takes 1 to {MAX_ROWS} rows of x, got {m}")
     gated = norm is not None and norm.gate is not None
     grouped = norm is not None and norm.group_size not in (0, k)
     group = (norm.group_size or k) if gated or grouped else 0
-    if group and (bk > group or k % group):
-        raise ValueError(f"a chunk of {bk} may span at most two norm groups of {group} (K = {k})")
+    if group and (group % bk or k % group):
+        raise ValueError(f"a chunk of {bk} must lie inside one norm group of {group} (K = {k})")
     args = [x.reshape(m, k), w]
     if norm is not None:
         args.append(norm.weight)
@@ -209,6 +193,7 @@ def linear_tiled(
         args.append(residual.reshape(m, n))
     kernel = functools.partial(
         _kernel,
+        m=m,
         k=k,
         n=n,
         bn=bn,

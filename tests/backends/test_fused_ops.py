@@ -274,25 +274,3 @@ def test_mamba2_decode_paged_lowers_to_triton(layout, monkeypatch):
         lambda r, *a: op(r, *a, geo), jnp.asarray(region), pages, fresh, cols, *weights
     )
 
-
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("bk", [32, 64])
-def test_linear_kernel_chunks_span_two_groups(bk, gated):
-    """Norm groups of 48 keys read in chunks of 32 or 64: most chunks hold the end of one group
-    and the start of the next; K = 240 leaves a tail chunk."""
-    from backends.pallas.linear import linear_tiled
-
-    rng = np.random.default_rng([bk, gated])
-    k, n = 240, 40
-    x = jnp.asarray(rng.standard_normal((1, k)) * 2, jnp.float32)
-    w = jnp.asarray(rng.standard_normal((n, k)) / 16, jnp.float32)
-    gate = jnp.asarray(rng.standard_normal((1, k + 8)), jnp.float32) if gated else None
-    norm = Norm(
-        jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.float32), 1e-5, gate, 8 if gated else 0, 48
-    )
-    want = _linear_numpy(x, w, None, norm, None, None, 1.0)
-    if bk > 48:
-        with pytest.raises(ValueError, match="at most two norm groups"):
-            linear_tiled(x, w, norm=norm, bn=8, bk=bk)
-        return
-    _close(jax.jit(lambda x, w: linear_tiled(x, w, norm=norm, bn=8, bk=bk))(x, w), want, 2e-5)
