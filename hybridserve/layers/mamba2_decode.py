@@ -12,10 +12,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from backends.fused import MambaDecode
@@ -27,8 +26,8 @@ from hybridserve.cache.mamba_view import (
 from hybridserve.cache.view import MambaAccess, duplicate
 from hybridserve.layers.step_input import StepInput
 
-if TYPE_CHECKING:
-    from hybridserve.layers.mamba2 import Mamba2
+# `mixer` below is a `layers.mamba2.Mamba2` (which imports this module: typed as its base)
+Mamba2 = nnx.Module
 
 
 def geometry(mixer: Mamba2, acc: MambaAccess, page_rows: int) -> MambaDecode:
