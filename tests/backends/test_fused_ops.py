@@ -273,4 +273,3 @@ def test_mamba2_decode_paged_lowers_to_triton(layout, monkeypatch):
     _lowers_to_triton(
         lambda r, *a: op(r, *a, geo), jnp.asarray(region), pages, fresh, cols, *weights
     )
-
