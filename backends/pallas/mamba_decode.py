@@ -30,7 +30,7 @@ from backends.fused import MambaDecode
 from backends.pallas._common import interpret, next_pow2, triton_params
 from backends.pallas.ssd_paged import Packed, step_packed
 from backends.protocol import register
-from backends.xla.mamba_decode import check_geometry, conv_words
+from backends.xla.mamba_decode import check_geometry
 from backends.xla.mamba_decode import mamba2_decode_paged as decode_reference
 
 F32 = jnp.float32
@@ -202,8 +202,7 @@ def mamba2_decode_paged(
         return decode_reference(
             region, pages, fresh, cols, conv_weight, conv_bias, dt_bias, a_log, d, geo
         )
-    check_geometry(geo, cols, region)
-    conv_words(geo)
+    check_geometry(geo, cols, region)  # conv state in whole words, states apart, columns
     v, region = conv_in_place(region, pages, fresh, cols, conv_weight, conv_bias, geo)
     hp, gn = geo.heads * geo.head_dim, geo.groups * geo.state_size
     packed = Packed(0, hp, hp + gn, geo.dt_offset, geo.z_offset, geo.dt_min, geo.dt_max)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from backends.fused import MambaDecode
 from backends.protocol import conv_state_to_ds, register
 from backends.xla.conv import causal_conv1d_step
-from backends.xla.ssd_paged import mamba2_step_paged
+from backends.xla.ssd_paged import mamba2_step_paged, read_words, write_words
 
 WORD_BYTES = 4
 
@@ -50,14 +50,6 @@ def dt_of(raw: jax.Array, dt_bias: jax.Array, geo: MambaDecode) -> jax.Array:
     return dt
 
 
-def _conv_rows(pages: jax.Array, geo: MambaDecode, width: int) -> tuple[jax.Array, int]:
-    """Region rows [B, n] holding the conv state, and the state's first word inside them."""
-    first = geo.conv_offset // width
-    last = -(-(geo.conv_offset + conv_words(geo)) // width)
-    span = jnp.arange(first, last, dtype=pages.dtype)[None, :]
-    return pages[:, None] * geo.page_rows + span, geo.conv_offset - first * width
-
-
 def through(conv_step: Callable, ssm_paged: Callable) -> Callable:
     """`mamba2_decode_paged` from a `causal_conv1d_step` and a `mamba2_step_paged`."""
 
@@ -75,10 +67,8 @@ def through(conv_step: Callable, ssm_paged: Callable) -> Callable:
     ) -> tuple[jax.Array, jax.Array]:
         check_geometry(geo, cols, region)
         bsz, ch, taps = cols.shape[0], geo.channels, geo.conv_width - 1
-        _, total, width = region.shape
-        rows, lo = _conv_rows(pages, geo, width)
-        raw = region.at[0, rows].get(mode="promise_in_bounds").reshape(bsz, -1)
         n = conv_words(geo)
+        raw, rows, lo = read_words(region, pages, geo.page_rows, geo.conv_offset, n)
         values = jax.lax.bitcast_convert_type(raw[:, lo : lo + n], jnp.dtype(geo.conv_dtype))
         shape = (ch, taps) if geo.conv_layout == "DS" else (taps, ch)
         state = conv_state_to_ds(values.reshape(bsz, *shape), geo.conv_layout)
@@ -89,14 +79,7 @@ def through(conv_step: Callable, ssm_paged: Callable) -> Callable:
         new_words = jax.lax.bitcast_convert_type(
             new.reshape(bsz, n, -1) if new.dtype.itemsize < WORD_BYTES else new, jnp.int32
         )
-        out = jnp.concatenate([raw[:, :lo], new_words, raw[:, lo + n :]], axis=1)
-        count = rows.shape[1]
-        # the null page's rows (padding) go past the end, each to its own row, and are dropped
-        ids = jnp.arange(bsz * count, dtype=pages.dtype).reshape(bsz, count)
-        dst = jnp.where((pages > 0)[:, None], rows, total + ids)
-        region = region.at[0, dst].set(
-            out.reshape(bsz, count, width), mode="drop", unique_indices=True
-        )
+        region = write_words(region, pages, rows, raw, lo, new_words)
         hp = geo.heads * geo.head_dim
         gn = geo.groups * geo.state_size
         x = v[:, :hp].reshape(bsz, geo.heads, geo.head_dim)

@@ -25,6 +25,32 @@ def state_rows(state_offset: int, state_words: int, width: int) -> tuple[int, in
     return state_offset // width, -(-(state_offset + state_words) // width)
 
 
+def read_words(
+    region: jax.Array, pages: jax.Array, page_rows: int, offset: int, words: int
+) -> tuple[jax.Array, jax.Array, int]:
+    """The region rows of each page that hold its words [offset, offset + words): (those
+    rows' words [B, n * Wd], the rows [B, n], the first of the words inside them)."""
+    width = region.shape[2]
+    first, last = state_rows(offset, words, width)
+    rows = pages[:, None] * page_rows + jnp.arange(first, last, dtype=pages.dtype)[None, :]
+    raw = region.at[0, rows].get(mode="promise_in_bounds").reshape(pages.shape[0], -1)
+    return raw, rows, offset - first * width
+
+
+def write_words(
+    region: jax.Array, pages: jax.Array, rows: jax.Array, raw: jax.Array, lo: int, new: jax.Array
+) -> jax.Array:
+    """Inverse of `read_words`: `new` [B, words] stored from word `lo` of the rows it read
+    (`raw`), the words around it as they were. The null page's rows (padding) go past the
+    end, each to its own row, and are dropped, so every index is unique."""
+    bsz, count = rows.shape
+    _, total, width = region.shape
+    out = jnp.concatenate([raw[:, :lo], new, raw[:, lo + new.shape[1] :]], axis=1)
+    beyond = total + jnp.arange(bsz * count, dtype=pages.dtype).reshape(bsz, count)
+    dst = jnp.where((pages > 0)[:, None], rows, beyond)
+    return region.at[0, dst].set(out.reshape(bsz, count, width), mode="drop", unique_indices=True)
+
+
 def through(step: Callable) -> Callable:
     """`mamba2_step_paged` from a `mamba2_step` (gather the rows, step, scatter them back)."""
 
@@ -43,26 +69,13 @@ def through(step: Callable) -> Callable:
     ) -> tuple[jax.Array, jax.Array]:
         bsz, nh, p = x.shape
         ns = b.shape[-1]
-        _, total, width = region.shape
         words = nh * p * ns
-        first, last = state_rows(state_offset, words, width)
-        span = jnp.arange(first, last, dtype=pages.dtype)[None, :]
-        rows = pages[:, None] * page_rows + span  # [B, n]
-        raw = region.at[0, rows].get(mode="promise_in_bounds").reshape(bsz, -1)
-        lo = state_offset - first * width
+        raw, rows, lo = read_words(region, pages, page_rows, state_offset, words)
         state = jax.lax.bitcast_convert_type(raw[:, lo : lo + words], jnp.float32)
         state = jnp.where(fresh[:, None] != 0, 0.0, state).reshape(bsz, nh, p, ns)
         y, new = step(state, x, dt, a, b, c, d)
         new_words = jax.lax.bitcast_convert_type(new.astype(jnp.float32), WORD)
-        out = jnp.concatenate(
-            [raw[:, :lo], new_words.reshape(bsz, words), raw[:, lo + words :]], axis=1
-        )
-        # the null page's rows (padding) go past the end, each to its own row, and are dropped
-        beyond = total + jnp.arange(bsz, dtype=pages.dtype)[:, None] * (last - first) + span
-        dst = jnp.where((pages > 0)[:, None], rows, beyond)
-        region = region.at[0, dst].set(
-            out.reshape(bsz, -1, width), mode="drop", unique_indices=True
-        )
+        region = write_words(region, pages, rows, raw, lo, new_words.reshape(bsz, words))
         return y, region
 
     return paged
