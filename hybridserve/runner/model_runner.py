@@ -159,9 +159,8 @@ class ModelRunner:
         # without the hidden states, norm_f runs inside the lm_head (on the picked rows only)
         hidden, regions = model(tokens, inputs, regions, embeds, embed_mask, keep_hidden)
         picked = hidden
-        if n_logits == 1 and hidden.shape[1] == 1:  # one token a row (decode): that token
-            pass
-        elif n_logits is not None:  # each row's last token before its drafts, then the drafts
+        one_token = n_logits == 1 and hidden.shape[1] == 1  # decode: that token, no gather
+        if n_logits is not None and not one_token:  # each row's last token, then its drafts
             first = jnp.maximum(inputs.lengths - 1 - num_drafts, 0)
             idx = first[:, None] + jnp.arange(n_logits)[None, :]
             idx = jnp.clip(idx, 0, hidden.shape[1] - 1)
