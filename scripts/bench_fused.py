@@ -25,7 +25,9 @@ import datetime
 import itertools
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,9 @@ import numpy as np
 from backends.fused import MambaDecode, Norm
 from backends.pallas.linear import linear_tiled, tiles
 from backends.protocol import get_op
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_state_step import best_time, copy_bandwidth  # noqa: E402
 
 # (name, N, K, prologue, activation, residual): the Nano-9B-v2 decode projections
 SHAPES = [
@@ -46,24 +51,6 @@ SHAPES = [
     ("lm_head", 131072, 4480, "rms", None, False),
 ]
 SMOKE_SHAPES = [("in", 96, 64, "rms", None, False), ("out", 32, 128, "group", None, True)]
-
-
-def best_time(fn, iters: int = 5, repeats: int = 5) -> float:
-    jax.block_until_ready(fn())
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = fn()
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / iters)
-    return best
-
-
-def copy_bandwidth(nbytes: int) -> float:
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    step = jax.jit(lambda a: a + 1.0)
-    return 2 * x.nbytes / best_time(lambda: step(x), 20)
 
 
 def linear_case(shape, m: int, reps: int, key) -> dict:
@@ -98,7 +85,7 @@ def timed(op, case: dict, reps: int) -> tuple[float, jax.Array]:
         ]
 
     args = (case["xs"], case["w"], case["res"])
-    return best_time(lambda: run(*args)) / reps, run(*args)[0]
+    return best_time(lambda: run(*args), 5) / reps, run(*args)[0]
 
 
 def bench_linear(args, bw: float) -> list[dict]:
@@ -165,9 +152,9 @@ def bench_mamba(args, bw: float) -> list[dict]:
     ssm_offset = -(-conv_words // width) * width
     page_rows = -(-(ssm_offset + hs * p * ns) // width)
     num_pages = max(max(args.batch) + 1, int(args.region_gib * 2**30 // (page_rows * width * 4)))
-    geo = MambaDecode(
-        hs, p, g, ns, 4, 0, 2 * hs * p + 2 * g * ns, "DS", "bfloat16", 0, ssm_offset, page_rows
-    )
+    # the merged projection's columns as the model lays them out: z | x | B | C | dt
+    xbc, dt = hs * p, 2 * hs * p + 2 * g * ns
+    geo = MambaDecode(hs, p, g, ns, 4, xbc, dt, 0, "DS", "bfloat16", 0, ssm_offset, page_rows)
     key = jax.random.split(jax.random.key(3), 8)
     region = jax.lax.bitcast_convert_type(
         jax.random.normal(key[0], (1, num_pages * page_rows, width), jnp.float32) * 0.1, jnp.int32
@@ -235,7 +222,7 @@ def main() -> None:
     if args.smoke:
         args.rows, args.batch, args.reps, args.region_gib = [1, 3], [2], 2, 0.001
         args.grid = args.grid or ["16,32,4,0"]
-    bw = copy_bandwidth(2**20 if args.smoke else 2**32)
+    bw = copy_bandwidth(2**20 if args.smoke else 2**32, 20)
     device = jax.devices()[0]
     print(f"{device.device_kind}: copy {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
