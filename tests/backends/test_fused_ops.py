@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from triton_export import assert_lowers_to_triton
 
 from backends.fused import MambaDecode, Norm
 from backends.protocol import BackendError, get_op
@@ -241,35 +242,21 @@ def test_mamba2_decode_paged(backend, layout, conv_dtype):
 # --- the kernels lower for CUDA --------------------------------------------------------------
 
 
-def _lowers_to_triton(fn, *args) -> None:
-    """`fn(*args)` exports for CUDA with Triton kernels in it (compiling to PTX needs a GPU:
-    this checks everything up to it, e.g. the Triton lowering of every primitive)."""
-    from jax import export
-
-    triton = "__gpu$xla.gpu.triton"
-    exported = export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
-    )(*args)
-    assert triton in exported.mlir_module()
-
-
 @pytest.mark.parametrize("case", ["plain", "rms_silu_residual", "group_residual", "gated_residual"])
-def test_linear_lowers_to_triton(case, monkeypatch):
+def test_linearassert_lowers_to_triton(case, monkeypatch):
     from backends.pallas.linear import linear_tiled
 
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     x, w, kw = _linear_inputs(case, 1, jnp.bfloat16, k=4480, n=1000)
-    _lowers_to_triton(lambda x, w: linear_tiled(x, w, **kw, bn=4, bk=32), x, w)
+    assert_lowers_to_triton(lambda x, w: linear_tiled(x, w, **kw, bn=4, bk=32), x, w)
 
 
 @pytest.mark.parametrize("layout", ["DS", "SD"])
-def test_mamba2_decode_paged_lowers_to_triton(layout, monkeypatch):
+def test_mamba2_decode_pagedassert_lowers_to_triton(layout, monkeypatch):
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     geo = _geometry(layout, "bfloat16")
     region, pages, fresh, cols, weights, _ = _decode_case(geo, 3)
     op = get_op("mamba2_decode_paged", "pallas")
-    _lowers_to_triton(
+    assert_lowers_to_triton(
         lambda r, *a: op(r, *a, geo), jnp.asarray(region), pages, fresh, cols, *weights
     )

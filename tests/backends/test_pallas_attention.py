@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_shared_suite import _check, _paged_inputs, _rng
+from triton_export import assert_lowers_to_triton
 
 from backends.pallas.attention import paged_attention_tiled
 from backends.protocol import RelativeBias, get_op
@@ -66,8 +67,6 @@ def test_both_page_paths_lower_to_triton(page, rel, monkeypatch):
     """Several pages per key block (a gathered load) and one (a scalar page id) both lower
     for CUDA on this machine (compiling to PTX needs a GPU), with and without the relative
     bias (its far-block loop included: no window)."""
-    from jax import export
-
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     s, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     args = (s((2, 40, 8, 128), bf), s((9, 2, page, 128), bf), s((9, 2, page, 128), bf))
@@ -77,13 +76,9 @@ def test_both_page_paths_lower_to_triton(page, rel, monkeypatch):
         extra = (RelativeBias(20, 8, 512),)
     else:
         extra = ()
-    triton = "__gpu$xla.gpu.triton"
-    exported = export.export(
-        jax.jit(lambda *a: paged_attention_tiled(*a[:6], 0.1, None, *a[6:], *extra, block_k=64)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
-    )(*args)
-    assert triton in exported.mlir_module()
+    assert_lowers_to_triton(
+        lambda *a: paged_attention_tiled(*a[:6], 0.1, None, *a[6:], *extra, block_k=64), *args
+    )
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas", "torch"])
@@ -118,20 +113,12 @@ def test_joint_kv_pages_equal_separate(backend, window, rel):
 
 def test_joint_kv_pages_lower_to_triton(monkeypatch):
     """The joint form's two BlockSpecs over one array lower for CUDA on this machine."""
-    from jax import export
-
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     s, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     args = (s((3, 1, 8, 128), bf), s((40, 2, 2, 16, 128), bf))
     args += (s((3, 7), i32), s((3, 1), i32), s((3,), i32))
-    triton = "__gpu$xla.gpu.triton"
     op = get_op("paged_attention", "pallas")
-    exported = export.export(
-        jax.jit(lambda q, kv, *a: op(q, kv, None, *a, 0.1, None)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
-    )(*args)
-    assert triton in exported.mlir_module()
+    assert_lowers_to_triton(lambda q, kv, *a: op(q, kv, None, *a, 0.1, None), *args)
 
 
 @pytest.mark.parametrize("rel", [False, True])
@@ -162,16 +149,10 @@ def test_split_kv_decode_matches_reference(splits, window, rel):
 
 def test_split_kv_lowers_to_triton(monkeypatch):
     """Split-KV decode (a fourth grid axis, two outputs) lowers for CUDA."""
-    from jax import export
-
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     s, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     args = (s((1, 1, 40, 128), bf), s((80, 2, 8, 16, 128), bf), s((1, 64), i32))
     args += (s((1, 1), i32), s((1,), i32))
-    triton = "__gpu$xla.gpu.triton"
-    exported = export.export(
-        jax.jit(lambda q, kv, *a: paged_attention_tiled(q, kv, None, *a, 0.1, None, splits=9)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
-    )(*args)
-    assert triton in exported.mlir_module()
+    assert_lowers_to_triton(
+        lambda q, kv, *a: paged_attention_tiled(q, kv, None, *a, 0.1, None, splits=9), *args
+    )

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from triton_export import assert_lowers_to_triton
 
 from backends.protocol import OP_SIGNATURES, BackendError, RelativeBias, get_op, load_ops
 
@@ -387,19 +388,11 @@ LOWERING_CASES = {
 def test_kernel_lowers_to_triton_for_gpu(op, monkeypatch):
     """Lower for CUDA on this machine (no GPU needed): the Pallas -> Triton lowering checks the
     power-of-two tile rule and the supported primitives. Compiling to PTX needs a GPU."""
-    from jax import export
-
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     # Fresh lambdas: jax caches a traced function's jaxpr, and the interpret choice is made at
     # trace time (the interpret-mode tests above trace the same ops).
     fn, args = LOWERING_CASES[op]
-    triton = "__gpu$xla.gpu.triton"
-    exported = export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
-    )(*args)
-    assert triton in exported.mlir_module()
+    assert_lowers_to_triton(fn, *args)
 
 
 # --- registry --------------------------------------------------------------------------------
