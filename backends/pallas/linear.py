@@ -8,12 +8,18 @@ owns `bn` output features, i.e. `bn` contiguous rows of w, and walks K once, in 
 and at the end of each group `acc_r += part_r / sqrt(ss_r / size + eps)`: the norm's scale is
 a per-row (per-group) scalar, so it is applied after the sum and the norm costs no second pass
 over x (the unfused ops round the normed x to x's dtype before the GEMM; here it stays float32,
-within one rounding of them). Then the epilogue: y rounded, + bias, the activation,
-`residual + scale * y`, each step rounded to x's dtype as the unfused ops round it.
-So a decode layer's norm, GEMV, activation and residual add are one kernel. Small tiles of N
-(`tiles`) keep each program short and the grid many waves deep, so the last wave costs little.
-More than MAX_ROWS rows (prefill, large batches) go to the xla reference, whose GEMMs are
-compute-bound there.
+within one rounding of them).
+
+A group that no large power of two divides (Mamba2's 1280 keys) would cut the chunks short.
+There (`span`) each program first sums the groups' squares over x (K values, read from L2,
+against its [bn, K] of w), then walks K in full chunks (unrolled), scaling x by the scales of
+the groups each chunk spans.
+
+Then the epilogue: y rounded, + bias, the activation, `residual + scale * y`, each step
+rounded to x's dtype as the unfused ops round it. So a decode layer's norm, GEMV, activation
+and residual add are one kernel. Small tiles of N (`tiles`) keep each program short and the
+grid many waves deep, so the last wave costs little. More than KERNEL_ROWS rows (prefill,
+large batches) go to the xla reference, whose GEMMs are compute-bound there.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ def _kernel(
     eps: float,
     group: int,
     gate_offset: int,
+    span: bool,
     act: str | None,
     scale: float,
     has_bias: bool,
@@ -80,39 +87,78 @@ def _kernel(
     cols = pl.program_id(0) * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     col_ok = cols < n
     size = group if norm in ("gated", "group") else k  # the norm's group (or the whole row)
-    full, tail = size // bk, size % bk
 
-    def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
-        parts, sums = carry  # `end`: the group's end, for the masks of its last (tail) chunk
-        ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        k_ok = None if end is None else ks < end
-        ok = col_ok[:, None] & (True if end is None else k_ok[None, :])
-        w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
-        if norm:
-            nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
-        parts, sums = list(parts), list(sums)
-        for r in range(m):
-            x = _load(x_ref.at[r, ks], k_ok).astype(F32)
-            if norm == "gated":
-                z = _load(gate_ref.at[r, gate_offset + ks], k_ok).astype(F32)
-                x = x * (z / (1.0 + jnp.exp(-z)))
+    def x_row(r, ks, k_ok):  # row r of x at keys ks, gated (x * silu(z)) under a gated norm
+        x = _load(x_ref.at[r, ks], k_ok).astype(F32)
+        if norm == "gated":
+            z = _load(gate_ref.at[r, gate_offset + ks], k_ok).astype(F32)
+            x = x * (z / (1.0 + jnp.exp(-z)))
+        return x
+
+    def w_tile(ks, k_ok):
+        ok = col_ok[:, None] & (True if k_ok is None else k_ok[None, :])
+        return plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
+
+    if span:  # the norm's scales first, then chunks across its groups (unrolled: bounds static)
+        stat = min(bk, 1 << (size - 1).bit_length())
+        scales = [[] for _ in range(m)]
+        for g in range(k // size if norm else 0):
+            sums = [jnp.zeros((), F32)] * m
+            for s0 in range(0, size, stat):
+                ks = g * size + s0 + jax.lax.broadcasted_iota(jnp.int32, (stat,), 0)
+                k_ok = None if s0 + stat <= size else ks < g * size + size
+                for r in range(m):
+                    x = x_row(r, ks, k_ok)
+                    sums[r] = sums[r] + jnp.sum(x * x)
+            for r in range(m):
+                scales[r].append(jax.lax.rsqrt(sums[r] / size + eps))
+        accs = [jnp.zeros((bn,), F32) for _ in range(m)]
+        for start in range(0, k, bk):
+            ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            k_ok = None if start + bk <= k else ks < k
+            w = w_tile(ks, k_ok)
             if norm:
-                sums[r] = sums[r] + jnp.sum(x * x)
-                x = x * nw
-            parts[r] = parts[r] + jnp.sum(w * x[None, :], axis=1)
-        return parts, sums
+                nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
+            first, last = start // size, (min(start + bk, k) - 1) // size
+            for r in range(m):
+                x = x_row(r, ks, k_ok)
+                if norm:
+                    s = jnp.full((bk,), scales[r][first], F32)
+                    for g in range(first + 1, last + 1):
+                        s = jnp.where(ks >= g * size, scales[r][g], s)
+                    x = x * nw * s
+                accs[r] = accs[r] + jnp.sum(w * x[None, :], axis=1)
+    else:
+        full, tail = size // bk, size % bk
 
-    accs = [jnp.zeros((bn,), F32) for _ in range(m)]
-    for g in range(k // size):  # norm groups (one without a gated norm)
-        base = g * size
-        carry = ([jnp.zeros((bn,), F32)] * m, [jnp.zeros((), F32)] * m)
-        carry = jax.lax.fori_loop(0, full, lambda i, c, b=base: chunk(b + i * bk, None, c), carry)
-        if tail:
-            carry = chunk(base + full * bk, base + size, carry)
-        parts, sums = carry
-        for r in range(m):
-            part = parts[r] * jax.lax.rsqrt(sums[r] / size + eps) if norm else parts[r]
-            accs[r] = accs[r] + part
+        def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
+            parts, sums = carry  # `end`: the group's end, for the masks of its last chunk
+            ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            k_ok = None if end is None else ks < end
+            w = w_tile(ks, k_ok)
+            if norm:
+                nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
+            parts, sums = list(parts), list(sums)
+            for r in range(m):
+                x = x_row(r, ks, k_ok)
+                if norm:
+                    sums[r] = sums[r] + jnp.sum(x * x)
+                    x = x * nw
+                parts[r] = parts[r] + jnp.sum(w * x[None, :], axis=1)
+            return parts, sums
+
+        accs = [jnp.zeros((bn,), F32) for _ in range(m)]
+        for g in range(k // size):  # norm groups (one without a group norm)
+            base = g * size
+            carry = ([jnp.zeros((bn,), F32)] * m, [jnp.zeros((), F32)] * m)
+            body = lambda i, c, b=base: chunk(b + i * bk, None, c)  # noqa: E731
+            carry = jax.lax.fori_loop(0, full, body, carry)
+            if tail:
+                carry = chunk(base + full * bk, base + size, carry)
+            parts, sums = carry
+            for r in range(m):
+                part = parts[r] * jax.lax.rsqrt(sums[r] / size + eps) if norm else parts[r]
+                accs[r] = accs[r] + part
     if has_bias:
         b = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(F32)
     for r in range(m):
@@ -127,13 +173,14 @@ def _kernel(
         plgpu.store(o_ref.at[r, cols], y.astype(o_ref.dtype), mask=col_ok)
 
 
-def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
-    """(bn, bk, num_warps) for M rows of x times an [N, K] weight (measured on an H200 in
-    BENCHMARKS.md, "the fused projections")."""
-    bn, bk = (8, 1024) if group else (4, 1024)
-    while group and group % bk:  # a chunk must lie inside one norm group
-        bk //= 2
-    return bn, bk, 4
+def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int, bool]:
+    """(bn, bk, num_warps, span) for M rows of x times an [N, K] weight (measured on an H200
+    in BENCHMARKS.md, "the fused projections"). `span`: the group norm's scales come first
+    and the chunks run across the groups (a group whose size no power of two divides, as
+    Mamba2's 1280, would otherwise cut the chunks to its largest power-of-two divisor)."""
+    if group and group % 1024:
+        return 4, 1024, 4, True
+    return (8, 1024, 4, False) if group else (4, 1024, 4, False)
 
 
 @register("linear", "pallas")
@@ -151,8 +198,10 @@ def linear(
         return linear_reference(x, w, bias, norm, activation, residual, scale)
     n, k = w.shape
     group = 0 if norm is None else norm.group_size if norm.group_size != k else 0
-    bn, bk, warps = tiles(m, n, k, group)
-    return linear_tiled(x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps)
+    bn, bk, warps, span = tiles(m, n, k, group)
+    return linear_tiled(
+        x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps, span=span
+    )
 
 
 def linear_tiled(
@@ -168,9 +217,11 @@ def linear_tiled(
     bk: int,
     warps: int = 4,
     stages: int | None = None,
+    span: bool = False,
 ) -> jax.Array:
-    """`linear` with explicit tiles (`bn` output rows and `bk` of K per step, powers of two);
-    the benchmark sweeps them."""
+    """`linear` with explicit tiles (`bn` output rows and `bk` of K per step, powers of two;
+    a group norm's last chunk in each group is masked) and, with `span`, the norm's scales
+    computed first and the chunks unrolled across its groups; the benchmark sweeps them."""
     check_linear(x, w, bias, norm, activation, residual)
     *lead, k = x.shape
     n = w.shape[0]
@@ -180,8 +231,6 @@ def linear_tiled(
     gated = norm is not None and norm.gate is not None
     grouped = norm is not None and norm.group_size not in (0, k)
     group = (norm.group_size or k) if gated or grouped else 0
-    if group and (group % bk or k % group):
-        raise ValueError(f"a chunk of {bk} must lie inside one norm group of {group} (K = {k})")
     args = [x.reshape(m, k), w]
     if norm is not None:
         args.append(norm.weight)
@@ -202,6 +251,7 @@ def linear_tiled(
         eps=0.0 if norm is None else float(norm.eps),
         group=group,
         gate_offset=norm.gate_offset if gated else 0,
+        span=span,
         act=activation,
         scale=float(scale),
         has_bias=bias is not None,

@@ -66,9 +66,9 @@ def _linear_inputs(case: str, m: int, dtype, k: int = 160, n: int = 50):
     if kind is not None:
         weight = jnp.asarray(rng.uniform(0.5, 1.5, k), dtype)
         gate = jnp.asarray(rng.standard_normal((m, k + 24)), dtype) if kind == "gated" else None
-        norm = Norm(
-            weight, 1e-5, gate, 24 if gate is not None else 0, 32 if gate is not None else 0
-        )
+        # groups of 40 (no power of two above 8 divides them, as Mamba2's 1280) or of 32
+        group = {"group": 40, "gated": 32}.get(kind, 0)
+        norm = Norm(weight, 1e-5, gate, 24 if gate is not None else 0, group)
     kwargs = dict(
         bias=jnp.asarray(rng.standard_normal(n), dtype) if bias else None,
         norm=norm,
@@ -120,6 +120,21 @@ def test_linear_matches_the_reference(backend, case, m, dtype):
     ref = jax.jit(lambda x, w: get_op("linear", "xla")(x, w, **kw))(x, w)
     got = jax.jit(lambda x, w: op(x, w, **kw))(x, w)
     assert got.dtype == ref.dtype == x.dtype
+    _close(got.astype(jnp.float32), ref.astype(jnp.float32), TOL[jnp.dtype(dtype)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bk,span", [(8, False), (16, False), (64, False), (16, True), (64, True)])
+@pytest.mark.parametrize("case", ["plain", "rms_relu2", "group_residual", "gated_residual"])
+def test_linear_chunks(case, bk, span, dtype):
+    """Chunks inside the norm's groups (a masked tail when bk does not divide them, one masked
+    chunk when bk exceeds them) and unrolled chunks across them (`span`), against the
+    reference."""
+    from backends.pallas.linear import linear_tiled
+
+    x, w, kw = _linear_inputs(case, 2, dtype)
+    ref = jax.jit(lambda x, w: get_op("linear", "xla")(x, w, **kw))(x, w)
+    got = jax.jit(lambda x, w: linear_tiled(x, w, **kw, bn=8, bk=bk, span=span))(x, w)
     _close(got.astype(jnp.float32), ref.astype(jnp.float32), TOL[jnp.dtype(dtype)])
 
 
@@ -242,17 +257,28 @@ def test_mamba2_decode_paged(backend, layout, conv_dtype):
 # --- the kernels lower for CUDA --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["plain", "rms_silu_residual", "group_residual", "gated_residual"])
-def test_linearassert_lowers_to_triton(case, monkeypatch):
+@pytest.mark.parametrize(
+    "case,bk,span",
+    [
+        ("plain", 32, False),
+        ("rms_silu_residual", 32, False),
+        ("group_residual", 32, False),
+        ("group_residual", 64, True),
+        ("gated_residual", 64, False),
+        ("gated_residual", 64, True),
+    ],
+)
+def test_linear_lowers_to_triton(case, bk, span, monkeypatch):
     from backends.pallas.linear import linear_tiled
 
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     x, w, kw = _linear_inputs(case, 1, jnp.bfloat16, k=4480, n=1000)
-    assert_lowers_to_triton(lambda x, w: linear_tiled(x, w, **kw, bn=4, bk=32), x, w)
+    fn = lambda x, w: linear_tiled(x, w, **kw, bn=4, bk=bk, span=span)  # noqa: E731
+    assert_lowers_to_triton(fn, x, w)
 
 
 @pytest.mark.parametrize("layout", ["DS", "SD"])
-def test_mamba2_decode_pagedassert_lowers_to_triton(layout, monkeypatch):
+def test_mamba2_decode_paged_lowers_to_triton(layout, monkeypatch):
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     geo = _geometry(layout, "bfloat16")
     region, pages, fresh, cols, weights, _ = _decode_case(geo, 3)
