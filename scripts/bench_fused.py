@@ -6,7 +6,7 @@
    up and down projections, the merged q|k|v, o_proj, the lm_head), M = --rows tokens:
      xla      the reference (XLA's norm, GEMM and epilogue fusions; w [N, K])
      xla kn   a plain XLA dot with the checkpoint's [K, N] weight (the GEMM alone)
-     pallas   our kernel at each (bn, bk, warps, stages) of the sweep
+     pallas   our kernel at each (bn, bk, warps, stages, splits of K) of the sweep
    GB/s counts the weight bytes once (the floor of a GEMV); each time is the best of 5 loops
    of one program that runs the op on --reps different inputs back to back (launch costs
    amortised). Each pallas result is checked against the reference.
@@ -120,16 +120,14 @@ def bench_linear(args, bw: float) -> list[dict]:
         t_kn, _ = timed(lambda x, w, nm, a, r: jnp.dot(x, w), plain, args.reps)
         record("xla kn", t_kn)
         default = tiles(m, n, k, k // 8 if shape[3] == "group" else 0)
-        grid = args.grid or [f"{bn},{bk},{w},{s},0" for bn, bk, w, s in sweep(m)]
-        if not args.grid:  # the chunks unrolled (across the groups of a group norm) too
-            grid += [f"{bn},{bk},{w},0,1" for bn, bk, w, _ in sweep(m)]
+        grid = args.grid or [f"{bn},{bk},{w},{s},1" for bn, bk, w, s in sweep(m)]
         if not args.smoke and name not in args.sweep:
             grid = []
-        bn, bk, warps, span = default
-        for spec in dict.fromkeys([f"{bn},{bk},{warps},0,{int(span)}", *grid]):
-            bn, bk, warps, stages, span = (int(v) for v in (spec + ",0").split(",")[:5])
-            fn = lambda x, w, nm, a, r, bn=bn, bk=bk, wp=warps, st=stages, sp=span: linear_tiled(  # noqa: E731
-                x, w, None, nm, a, r, 1.0, bn=bn, bk=bk, warps=wp, stages=st or None, span=bool(sp)
+        bn, bk, warps, splits = default
+        for spec in dict.fromkeys([f"{bn},{bk},{warps},0,{splits}", *grid]):
+            bn, bk, warps, stages, splits = (int(v) for v in (spec + ",1").split(",")[:5])
+            fn = lambda x, w, nm, a, r, bn=bn, bk=bk, wp=warps, st=stages, sp=splits: linear_tiled(  # noqa: E731
+                x, w, None, nm, a, r, 1.0, bn=bn, bk=bk, warps=wp, stages=st or None, splits=sp
             )
             try:
                 t, out = timed(fn, case, args.reps)
@@ -208,7 +206,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="Mamba rows")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--region-gib", type=float, default=4.0)
-    parser.add_argument("--grid", nargs="*", help="pallas tiles as bn,bk,warps,stages[,span]")
+    parser.add_argument("--grid", nargs="*", help="pallas tiles as bn,bk,warps,stages[,splits]")
     parser.add_argument(
         "--sweep",
         nargs="*",

@@ -10,10 +10,11 @@ a per-row (per-group) scalar, so it is applied after the sum and the norm costs 
 over x (the unfused ops round the normed x to x's dtype before the GEMM; here it stays float32,
 within one rounding of them).
 
-A group that no large power of two divides (Mamba2's 1280 keys) would cut the chunks short.
-There (`span`) each program first sums the groups' squares over x (K values, read from L2,
-against its [bn, K] of w), then walks K in full chunks (unrolled), scaling x by the scales of
-the groups each chunk spans.
+A chunk never crosses a group: the last chunk of a group is masked where bk does not divide
+it. With `splits` > 1 the grid also splits K (each program whole groups; Mamba2's output
+projection, K = 10240 in groups of 1280 for N = 4480, takes one group a program: its 1120
+programs of 80 KB each were too few and too long to keep the memory busy): the programs write
+float32 partials and the epilogue runs after their sum (one small XLA fusion).
 
 Then the epilogue: y rounded, + bias, the activation, `residual + scale * y`, each step
 rounded to x's dtype as the unfused ops round it. So a decode layer's norm, GEMV, activation
@@ -58,6 +59,19 @@ def _load(ref: jax.Array, mask: jax.Array | None) -> jax.Array:
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
 
 
+def _epilogue(acc, bias, res, dtype, act: str | None, scale: float):
+    """y rounded, + bias, the activation, `res + scale * y`: each step rounded to `dtype` as
+    the unfused ops round it (in the kernel, and after the sum of the split-K partials)."""
+    y = acc.astype(dtype).astype(F32)
+    if bias is not None:
+        y = (y + bias).astype(dtype).astype(F32)
+    if act:
+        y = _act(y, act).astype(dtype).astype(F32)
+    if res is not None:
+        y = res + (scale * y).astype(dtype).astype(F32)
+    return y.astype(dtype)
+
+
 def _kernel(
     x_ref,
     w_ref,
@@ -67,11 +81,11 @@ def _kernel(
     n: int,
     bn: int,
     bk: int,
+    splits: int,
     norm: str | None,
     eps: float,
     group: int,
     gate_offset: int,
-    span: bool,
     act: str | None,
     scale: float,
     has_bias: bool,
@@ -86,101 +100,62 @@ def _kernel(
     dtype = x_ref.dtype
     cols = pl.program_id(0) * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     col_ok = cols < n
-    size = group if norm in ("gated", "group") else k  # the norm's group (or the whole row)
+    part_k = k // splits  # this program's keys: [offset, offset + part_k)
+    offset = pl.program_id(1) * part_k
+    size = group if norm in ("gated", "group") else part_k  # a norm group (or all the keys)
+    full, tail = size // bk, size % bk
 
-    def x_row(r, ks, k_ok):  # row r of x at keys ks, gated (x * silu(z)) under a gated norm
-        x = _load(x_ref.at[r, ks], k_ok).astype(F32)
-        if norm == "gated":
-            z = _load(gate_ref.at[r, gate_offset + ks], k_ok).astype(F32)
-            x = x * (z / (1.0 + jnp.exp(-z)))
-        return x
-
-    def w_tile(ks, k_ok):
-        ok = col_ok[:, None] & (True if k_ok is None else k_ok[None, :])
-        return plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
-
-    if span:  # the norm's scales first, then chunks across its groups (unrolled: bounds static)
-        stat = min(bk, 1 << (size - 1).bit_length())
-        scales = [[] for _ in range(m)]
-        for g in range(k // size if norm else 0):
-            sums = [jnp.zeros((), F32)] * m
-            for s0 in range(0, size, stat):
-                ks = g * size + s0 + jax.lax.broadcasted_iota(jnp.int32, (stat,), 0)
-                k_ok = None if s0 + stat <= size else ks < g * size + size
-                for r in range(m):
-                    x = x_row(r, ks, k_ok)
-                    sums[r] = sums[r] + jnp.sum(x * x)
-            for r in range(m):
-                scales[r].append(jax.lax.rsqrt(sums[r] / size + eps))
-        accs = [jnp.zeros((bn,), F32) for _ in range(m)]
-        for start in range(0, k, bk):
-            ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-            k_ok = None if start + bk <= k else ks < k
-            w = w_tile(ks, k_ok)
+    def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
+        parts, sums = carry  # `end`: the group's end, for the masks of its last (tail) chunk
+        ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        k_ok = None if end is None else ks < end
+        ok = col_ok[:, None] & (True if end is None else k_ok[None, :])
+        w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
+        if norm:
+            nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
+        parts, sums = list(parts), list(sums)
+        for r in range(m):
+            x = _load(x_ref.at[r, ks], k_ok).astype(F32)
+            if norm == "gated":
+                z = _load(gate_ref.at[r, gate_offset + ks], k_ok).astype(F32)
+                x = x * (z / (1.0 + jnp.exp(-z)))
             if norm:
-                nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
-            first, last = start // size, (min(start + bk, k) - 1) // size
-            for r in range(m):
-                x = x_row(r, ks, k_ok)
-                if norm:
-                    s = jnp.full((bk,), scales[r][first], F32)
-                    for g in range(first + 1, last + 1):
-                        s = jnp.where(ks >= g * size, scales[r][g], s)
-                    x = x * nw * s
-                accs[r] = accs[r] + jnp.sum(w * x[None, :], axis=1)
-    else:
-        full, tail = size // bk, size % bk
+                sums[r] = sums[r] + jnp.sum(x * x)
+                x = x * nw
+            parts[r] = parts[r] + jnp.sum(w * x[None, :], axis=1)
+        return parts, sums
 
-        def chunk(start, end, carry):  # one [bn, bk] tile of w against every row of x
-            parts, sums = carry  # `end`: the group's end, for the masks of its last chunk
-            ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-            k_ok = None if end is None else ks < end
-            w = w_tile(ks, k_ok)
-            if norm:
-                nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
-            parts, sums = list(parts), list(sums)
-            for r in range(m):
-                x = x_row(r, ks, k_ok)
-                if norm:
-                    sums[r] = sums[r] + jnp.sum(x * x)
-                    x = x * nw
-                parts[r] = parts[r] + jnp.sum(w * x[None, :], axis=1)
-            return parts, sums
-
-        accs = [jnp.zeros((bn,), F32) for _ in range(m)]
-        for g in range(k // size):  # norm groups (one without a group norm)
-            base = g * size
-            carry = ([jnp.zeros((bn,), F32)] * m, [jnp.zeros((), F32)] * m)
-            body = lambda i, c, b=base: chunk(b + i * bk, None, c)  # noqa: E731
-            carry = jax.lax.fori_loop(0, full, body, carry)
-            if tail:
-                carry = chunk(base + full * bk, base + size, carry)
-            parts, sums = carry
-            for r in range(m):
-                part = parts[r] * jax.lax.rsqrt(sums[r] / size + eps) if norm else parts[r]
-                accs[r] = accs[r] + part
-    if has_bias:
-        b = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(F32)
+    accs = [jnp.zeros((bn,), F32) for _ in range(m)]
+    for g in range(part_k // size):  # norm groups (one without a group norm)
+        base = offset + g * size
+        carry = ([jnp.zeros((bn,), F32)] * m, [jnp.zeros((), F32)] * m)
+        body = lambda i, c, b=base: chunk(b + i * bk, None, c)  # noqa: E731
+        carry = jax.lax.fori_loop(0, full, body, carry)
+        if tail:
+            carry = chunk(base + full * bk, base + size, carry)
+        parts, sums = carry
+        for r in range(m):
+            part = parts[r] * jax.lax.rsqrt(sums[r] / size + eps) if norm else parts[r]
+            accs[r] = accs[r] + part
+    if splits > 1:  # float32 partials; the epilogue follows their sum
+        for r in range(m):
+            plgpu.store(o_ref.at[pl.program_id(1), r, cols], accs[r], mask=col_ok)
+        return
+    b = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(F32) if has_bias else None
     for r in range(m):
-        y = accs[r].astype(dtype).astype(F32)
-        if has_bias:
-            y = (y + b).astype(dtype).astype(F32)
-        if act:
-            y = _act(y, act).astype(dtype).astype(F32)
+        res = None
         if has_res:
             res = plgpu.load(res_ref.at[r, cols], mask=col_ok, other=0).astype(F32)
-            y = res + (scale * y).astype(dtype).astype(F32)
+        y = _epilogue(accs[r], b, res, dtype, act, scale)
         plgpu.store(o_ref.at[r, cols], y.astype(o_ref.dtype), mask=col_ok)
 
 
-def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int, bool]:
-    """(bn, bk, num_warps, span) for M rows of x times an [N, K] weight (measured on an H200
-    in BENCHMARKS.md, "the fused projections"). `span`: the group norm's scales come first
-    and the chunks run across the groups (a group whose size no power of two divides, as
-    Mamba2's 1280, would otherwise cut the chunks to its largest power-of-two divisor)."""
-    if group and group % 1024:
-        return 4, 1024, 4, True
-    return (8, 1024, 4, False) if group else (4, 1024, 4, False)
+def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int, int]:
+    """(bn, bk, num_warps, splits) for M rows of x times an [N, K] weight (measured on an
+    H200 in BENCHMARKS.md, "the fused projections")."""
+    if group and group % 1024:  # Mamba2's output (groups of 1280): a group a program
+        return 4, 2048, 4, k // group
+    return (8, 1024, 4, 1) if group else (4, 1024, 4, 1)
 
 
 @register("linear", "pallas")
@@ -198,9 +173,9 @@ def linear(
         return linear_reference(x, w, bias, norm, activation, residual, scale)
     n, k = w.shape
     group = 0 if norm is None else norm.group_size if norm.group_size != k else 0
-    bn, bk, warps, span = tiles(m, n, k, group)
+    bn, bk, warps, splits = tiles(m, n, k, group)
     return linear_tiled(
-        x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps, span=span
+        x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps, splits=splits
     )
 
 
@@ -217,11 +192,12 @@ def linear_tiled(
     bk: int,
     warps: int = 4,
     stages: int | None = None,
-    span: bool = False,
+    splits: int = 1,
 ) -> jax.Array:
     """`linear` with explicit tiles (`bn` output rows and `bk` of K per step, powers of two;
-    a group norm's last chunk in each group is masked) and, with `span`, the norm's scales
-    computed first and the chunks unrolled across its groups; the benchmark sweeps them."""
+    a group's last chunk is masked where bk does not divide it) and `splits` programs along K
+    (each K / splits keys, whole norm groups; float32 partials, summed before the epilogue);
+    the benchmark sweeps them."""
     check_linear(x, w, bias, norm, activation, residual)
     *lead, k = x.shape
     n = w.shape[0]
@@ -231,6 +207,9 @@ def linear_tiled(
     gated = norm is not None and norm.gate is not None
     grouped = norm is not None and norm.group_size not in (0, k)
     group = (norm.group_size or k) if gated or grouped else 0
+    if splits < 1 or k % splits or (norm is not None and (k // splits) % (group or k)):
+        what = f"groups of {group or k}" if norm is not None else "keys"
+        raise ValueError(f"{splits} splits of K = {k} must each hold whole {what}")
     args = [x.reshape(m, k), w]
     if norm is not None:
         args.append(norm.weight)
@@ -251,7 +230,7 @@ def linear_tiled(
         eps=0.0 if norm is None else float(norm.eps),
         group=group,
         gate_offset=norm.gate_offset if gated else 0,
-        span=span,
+        splits=splits,
         act=activation,
         scale=float(scale),
         has_bias=bias is not None,
@@ -259,12 +238,18 @@ def linear_tiled(
     )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(pl.cdiv(n, bn),),
+        out_shape=jax.ShapeDtypeStruct(
+            (splits, m, n) if splits > 1 else (m, n), F32 if splits > 1 else x.dtype
+        ),
+        grid=(pl.cdiv(n, bn), splits),
         interpret=interpret(),
         compiler_params=triton_params(num_warps=warps, num_stages=stages),
         name="linear",
     )(*args)
+    if splits > 1:
+        res = None if residual is None else residual.reshape(m, n).astype(F32)
+        b = None if bias is None else bias.astype(F32)
+        out = _epilogue(jnp.sum(out, axis=0), b, res, x.dtype, activation, float(scale))
     return out.reshape(*lead, n)
 
 

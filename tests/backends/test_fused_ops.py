@@ -124,18 +124,40 @@ def test_linear_matches_the_reference(backend, case, m, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("bk,span", [(8, False), (16, False), (64, False), (16, True), (64, True)])
-@pytest.mark.parametrize("case", ["plain", "rms_relu2", "group_residual", "gated_residual"])
-def test_linear_chunks(case, bk, span, dtype):
-    """Chunks inside the norm's groups (a masked tail when bk does not divide them, one masked
-    chunk when bk exceeds them) and unrolled chunks across them (`span`), against the
-    reference."""
+@pytest.mark.parametrize("bk", [8, 16, 64])
+@pytest.mark.parametrize(
+    "case,splits",
+    [
+        ("plain", 1),
+        ("plain", 5),
+        ("rms_relu2", 1),
+        ("group_residual", 1),
+        ("group_residual", 2),
+        ("group_residual", 4),
+        ("gated_residual", 5),
+        ("rms_silu_residual", 1),
+    ],
+)
+def test_linear_chunks_and_splits(case, splits, bk, dtype):
+    """Chunks inside the norm's groups (a masked tail where bk does not divide them, one
+    masked chunk where bk exceeds them) and K split among programs (float32 partials, the
+    epilogue after their sum), against the reference."""
     from backends.pallas.linear import linear_tiled
 
     x, w, kw = _linear_inputs(case, 2, dtype)
     ref = jax.jit(lambda x, w: get_op("linear", "xla")(x, w, **kw))(x, w)
-    got = jax.jit(lambda x, w: linear_tiled(x, w, **kw, bn=8, bk=bk, span=span))(x, w)
+    got = jax.jit(lambda x, w: linear_tiled(x, w, **kw, bn=8, bk=bk, splits=splits))(x, w)
+    assert got.dtype == ref.dtype
     _close(got.astype(jnp.float32), ref.astype(jnp.float32), TOL[jnp.dtype(dtype)])
+
+
+def test_linear_splits_hold_whole_groups():
+    from backends.pallas.linear import linear_tiled
+
+    for case, splits in [("rms_relu2", 2), ("group_residual", 3), ("gated_residual", 2)]:
+        x, w, kw = _linear_inputs(case, 1, jnp.float32)
+        with pytest.raises(ValueError, match="whole"):
+            linear_tiled(x, w, **kw, bn=8, bk=16, splits=splits)
 
 
 def test_linear_leading_axes_and_bad_shapes():
@@ -258,22 +280,22 @@ def test_mamba2_decode_paged(backend, layout, conv_dtype):
 
 
 @pytest.mark.parametrize(
-    "case,bk,span",
+    "case,bk,splits",
     [
-        ("plain", 32, False),
-        ("rms_silu_residual", 32, False),
-        ("group_residual", 32, False),
-        ("group_residual", 64, True),
-        ("gated_residual", 64, False),
-        ("gated_residual", 64, True),
+        ("plain", 32, 1),
+        ("plain", 32, 7),
+        ("rms_silu_residual", 32, 1),
+        ("group_residual", 64, 1),
+        ("group_residual", 64, 4),
+        ("gated_residual", 64, 5),
     ],
 )
-def test_linear_lowers_to_triton(case, bk, span, monkeypatch):
+def test_linear_lowers_to_triton(case, bk, splits, monkeypatch):
     from backends.pallas.linear import linear_tiled
 
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     x, w, kw = _linear_inputs(case, 1, jnp.bfloat16, k=4480, n=1000)
-    fn = lambda x, w: linear_tiled(x, w, **kw, bn=4, bk=bk, span=span)  # noqa: E731
+    fn = lambda x, w: linear_tiled(x, w, **kw, bn=4, bk=bk, splits=splits)  # noqa: E731
     assert_lowers_to_triton(fn, x, w)
 
 
