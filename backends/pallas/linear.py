@@ -152,10 +152,13 @@ def _kernel(
 
 def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int, int]:
     """(bn, bk, num_warps, splits) for M rows of x times an [N, K] weight (measured on an
-    H200 in BENCHMARKS.md, "the fused projections")."""
+    H200: BENCHMARKS.md, "the fused projections" and "the copy timed back to back"). Up to
+    8192 keys, 2048 a chunk (Nano-9B-v2's 4480: 3 chunks, not 5); past that 1024."""
     if group and group % 1024:  # Mamba2's output (groups of 1280): a group a program
         return 4, 2048, 4, k // group
-    return (8, 1024, 4, 1) if group else (4, 1024, 4, 1)
+    if group:
+        return 8, 1024, 4, 1
+    return (4, 2048, 4, 1) if k <= 8192 else (4, 1024, 4, 1)
 
 
 @register("linear", "pallas")
