@@ -61,7 +61,11 @@ class CacheConfig:
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching. Each step computes at most `max_num_batched_tokens` tokens over at
-    most `max_num_seqs` requests; one request's prefill chunk is at most `max_prefill_chunk`.
+    most `max_num_seqs` requests; one request's prefill chunk is at most `max_prefill_chunk`,
+    and all prompt chunks of a step together at most `max_num_prefill_tokens` (None: the
+    budget). `decode_first`: every running decode gets its token before any prompt chunk, the
+    prompts take what is left (vLLM's chunked prefill), so prefill never stalls decoding;
+    False takes the running requests in arrival order, a prompt chunk possibly first.
     Prefix caching shares computed prefixes at a granularity of `prefix_unit` tokens (None: the
     largest divisor of the attention block that is a kernel-block multiple <= 256).
     `max_held_fraction`: the most of the pool that finished P/D prefill requests may hold for
@@ -74,6 +78,8 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
     max_prefill_chunk: int = 256
+    max_num_prefill_tokens: int | None = None
+    decode_first: bool = True
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     prefix_unit: int | None = None
@@ -88,6 +94,10 @@ class SchedulerConfig:
             "max_num_batched_tokens must be >= max_num_seqs",
         )
         require(self.max_prefill_chunk >= 1, "max_prefill_chunk must be >= 1")
+        require(
+            self.max_num_prefill_tokens is None or self.max_num_prefill_tokens >= 1,
+            f"max_num_prefill_tokens must be >= 1 (or None), got {self.max_num_prefill_tokens}",
+        )
         require(
             self.prefix_unit is None or self.prefix_unit >= 1,
             f"prefix_unit must be >= 1 (or None: automatic), got {self.prefix_unit}",
@@ -230,6 +240,8 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_prefill_chunk": ("scheduler", "max_prefill_chunk"),
+    "max_num_prefill_tokens": ("scheduler", "max_num_prefill_tokens"),
+    "decode_first": ("scheduler", "decode_first"),
     "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),
     "prefix_unit": ("scheduler", "prefix_unit"),
     "max_held_fraction": ("scheduler", "max_held_fraction"),

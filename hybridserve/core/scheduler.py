@@ -1,27 +1,26 @@
 """Continuous batching over the paged hybrid cache, with chunked prefill, prefix caching and
 preemption by recompute.
 
-Each `schedule()` builds one step under a token budget (`max_num_batched_tokens`) and a seat
-limit (`max_num_seqs` running requests):
-  1. Running requests, in order: a decoding request gets 1 token, one still in prefill a chunk
-     of `min(remaining, max_prefill_chunk, budget)` tokens. With prefix caching on a model with
-     Mamba groups, a chunk that would cross a prefix-unit boundary ends on the last boundary it
-     crosses, so that a state snapshot can be taken there.
+Each `schedule()` builds one step under a token budget (`max_num_batched_tokens`), a budget
+for all prompt chunks together (`max_num_prefill_tokens`) and a seat limit (`max_num_seqs`
+running requests):
+  1. Running requests: with `decode_first` (the default) every decoding request first, in
+     arrival order, 1 token each (plus its drafts), then those still reading their prompt, a
+     chunk of `min(remaining, max_prefill_chunk, budgets left)` tokens each; without it, all
+     in arrival order. Since the budget holds at least `max_num_seqs` tokens, no decode waits
+     for a prompt. With prefix caching on a model with Mamba groups, a chunk that would cross
+     a prefix-unit boundary ends on the last boundary it crosses, so that a state snapshot can
+     be taken there.
      When the pool has no room, the most recently arrived running request not yet scheduled in
      this step (possibly the one being scheduled) is preempted: its pages are freed, it goes
      back to the front of the waiting queue and later recomputes its prompt and outputs.
   2. If nothing was preempted, waiting requests are admitted in order (prefix lookup first)
-     while budget, seats and pages last.
+     while both budgets, seats and pages last.
 Prefill and decode chunks mix in one step. `update_from_output(out, sampled)` then advances the
 requests, appends sampled tokens, applies the stop rules and frees finished requests.
 
-Disaggregated prefill/decode: on the prefill side a request with `hold_pages` keeps its pages
-after it finishes (`held_tables`) until `release_held` (the decode side has read them, or the
-lease expired). On the decode side `add_remote_request` allocates what a colocated engine would
-hold at the request's first decode step (window groups: their window only; a prefix hit's whole
-pages shared) and parks the request (WAITING_FOR_REMOTE_KV) until `finish_remote_kv` reports
-the transfer: done (the request runs from there, its transferred units become prefix-cache
-units) or failed (it recomputes from scratch).
+Disaggregated prefill/decode: `RemoteKV` (core/remote_kv.py) holds a finished prefill's
+pages for its decode side, and parks a decode-side request until its KV has arrived.
 
 `schedule()` and `update_from_output()` alternate: a non-empty output must be updated before the
 next schedule. `abort_request` and `finish_request` may be called at any time; a request
@@ -36,8 +35,9 @@ from collections import deque
 from hybridserve.cache.plan import CachePlan
 from hybridserve.config import SchedulerConfig
 from hybridserve.core.cache_manager import CacheCoordinator
-from hybridserve.core.outputs import PENDING_TOKEN, RemoteSlots, ScheduledChunk, SchedulerOutput
+from hybridserve.core.outputs import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from hybridserve.core.prefix_cache import PrefixCacheStats
+from hybridserve.core.remote_kv import RemoteKV
 from hybridserve.core.request import Request, RequestStatus
 
 
@@ -50,8 +50,9 @@ class PoolTooSmall(RuntimeError):
         self.req_id = req_id
 
 
-class Scheduler:
-    """Admission, chunking, preemption and stop rules over one `CacheCoordinator`."""
+class Scheduler(RemoteKV):
+    """Admission, chunking, preemption and stop rules over one `CacheCoordinator`; the
+    disaggregated prefill/decode methods come from `RemoteKV`."""
 
     def __init__(self, plan: CachePlan, num_pages: int, config: SchedulerConfig) -> None:
         self.config = config
@@ -135,15 +136,26 @@ class Scheduler:
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update_from_output()")
         budget = self.config.max_num_batched_tokens
+        prompt_budget = self.config.max_num_prefill_tokens or budget  # prompt chunks together
         chunks: list[ScheduledChunk] = []
+        done: set[str] = set()  # scheduled in this step
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = self._chunk_size(request, request.num_computed_tokens, budget)
+        order = self.running
+        if self.config.decode_first:  # stable: decodes in arrival order, then the prompts
+            order = sorted(self.running, key=lambda r: not self._decoding(r))
+        for request in order:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted by an earlier one of this step
+            decoding = self._decoding(request)
+            limit = budget if decoding else min(budget, prompt_budget)
+            if limit <= 0:
+                continue  # the prompts' share is spent; decodes may follow (arrival order)
+            n = self._chunk_size(request, request.num_computed_tokens, limit)
             while not self.coordinator.allocate_slots(request, n):
-                victim = max(self.running[i:], key=self._arrival)
-                alone = i == 0 and len(self.running) == 1
+                victim = max((r for r in self.running if r.req_id not in done), key=self._arrival)
+                alone = not done and len(self.running) == 1
                 if victim is request and alone and not self._pages_will_return():
                     raise self._too_small(request, n)
                 self._preempt(victim)
@@ -152,24 +164,27 @@ class Scheduler:
                     break
             else:
                 chunks.append(self._chunk(request, n))
+                done.add(request.req_id)
                 budget -= n
-                i += 1
+                if not decoding:
+                    prompt_budget -= n
         while (
             not preempted
             and self.waiting
-            and budget > 0
+            and min(budget, prompt_budget) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
             if request.hold_pages and self.held_pages >= self.max_held_pages:
                 break  # held pages are bounded: wait for reads, releases or leases to end
             hit = self.coordinator.find_prefix(request)
-            n = self._chunk_size(request, hit.num_tokens, budget)
+            limit = min(budget, prompt_budget)
+            n = self._chunk_size(request, hit.num_tokens, limit)
             if not self.coordinator.allocate_slots(request, n, hit):
                 if self.running or self._pages_will_return():
                     break
                 # alone in the pool: copy sources hold extra pages, so try without the hit
-                n = self._chunk_size(request, 0, budget)
+                n = self._chunk_size(request, 0, limit)
                 if not self.coordinator.allocate_slots(request, n, self.coordinator.miss()):
                     raise self._too_small(request, n)
             self.waiting.popleft()
@@ -177,6 +192,7 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, n))
             budget -= n
+            prompt_budget -= n
         out = SchedulerOutput(tuple(chunks), self.coordinator.take_page_copies())
         if chunks:
             self._in_flight = out
@@ -281,6 +297,11 @@ class Scheduler:
 
     # -- helpers ----------------------------------------------------------------------------
 
+    @staticmethod
+    def _decoding(request: Request) -> bool:
+        """Its prompt and outputs are computed but for the last sampled token."""
+        return request.num_tokens - request.num_computed_tokens == 1
+
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:
         if request.num_tokens - start == 1 and request.draft_token_ids:
             # a decode step that verifies drafts: all of them, or none when the budget is short
@@ -335,84 +356,6 @@ class Scheduler:
             self.held_pages += self._num_pages(request)
         else:
             self.coordinator.free(request, keep_state)
-
-    # -- disaggregated prefill/decode -------------------------------------------------------
-
-    def held_tables(self, req_id: str) -> tuple[tuple[int, ...], ...]:
-        """Block tables of a finished request whose pages are held for a remote reader."""
-        return self.coordinator.block_tables(self.held[req_id])
-
-    def release_held(self, req_id: str) -> bool:
-        """Free the pages of a held request (read by the decode side, or its lease expired)."""
-        request = self.held.pop(req_id, None)
-        if request is None:
-            return False
-        self.held_pages -= self._num_pages(request)
-        self.coordinator.free(request, keep_state=True)
-        return True
-
-    def add_remote_request(self, request: Request, num_external_tokens: int) -> RemoteSlots | None:
-        """Allocate pages for a request whose first `num_external_tokens` tokens another worker
-        computed (`CacheCoordinator.allocate_remote`: what a colocated engine would hold at its
-        first decode step, less the whole pages this engine's prefix cache already has) and
-        park it until `finish_remote_kv`. Returns the pages and what the transfer must fill,
-        or None when there are no seats or pages now (nothing changes; retry later)."""
-        if request.req_id in self.requests:
-            raise ValueError(f"request {request.req_id!r} is already queued")
-        if not 0 < num_external_tokens < request.num_prompt_tokens:
-            raise ValueError(
-                f"request {request.req_id!r}: {num_external_tokens} external tokens "
-                f"for a prompt of {request.num_prompt_tokens}"
-            )
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"request {request.req_id!r}: the prompt has "
-                f"{request.num_prompt_tokens} tokens; max_model_len is "
-                f"{self.config.max_model_len}"
-            )
-        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
-            return None
-        hit = self.coordinator.find_prefix(request, resume=num_external_tokens)
-        fill = self.coordinator.allocate_remote(request, num_external_tokens, hit)
-        if fill is None:
-            return None
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[request.req_id] = request
-        self._order[request.req_id] = self._counter
-        self._counter += 1
-        self.remote[request.req_id] = num_external_tokens
-        return RemoteSlots(
-            self.coordinator.block_tables(request),
-            fill,
-            num_external_tokens,
-            request.num_cached_tokens,
-        )
-
-    def finish_remote_kv(self, req_id: str, ok: bool) -> None:
-        """The transfer for a parked request ended. ok: its tokens count as computed and it runs
-        next; not ok: its pages are freed and it recomputes from scratch (queued first)."""
-        n = self.remote.pop(req_id, None)
-        request = self.requests.get(req_id)
-        if n is None or request is None:
-            return
-        if ok:
-            request.num_computed_tokens = n
-            self.coordinator.on_computed(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-        else:
-            self.coordinator.free(request, keep_state=False)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
-
-    def _num_pages(self, request: Request) -> int:
-        return sum(p != 0 for t in self.coordinator.block_tables(request) for p in t)
-
-    def _pages_will_return(self) -> bool:
-        """Pages are held for remote readers or being filled by transfers: they come back
-        within a lease or a transfer timeout, so a request that does not fit now waits."""
-        return bool(self.held or self.remote)
 
     def _too_small(self, request: Request, n: int) -> PoolTooSmall:
         c = self.coordinator

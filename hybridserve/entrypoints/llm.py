@@ -47,6 +47,10 @@ class LLM:
         max_num_seqs: requests decoded together.
         max_num_batched_tokens: tokens computed per step (prefill chunks and decode tokens).
         max_prefill_chunk: prompt tokens per request and step (chunked prefill).
+        max_num_prefill_tokens: prompt tokens per step, all requests together (None: the
+          step's budget).
+        decode_first: every running decode gets its token before any prompt chunk (default);
+          False takes running requests in arrival order.
         enable_prefix_caching: reuse computed prefixes (KV pages and Mamba state snapshots).
         prefix_unit: the granularity of prefix-cache sharing, in tokens (None: the largest
           divisor of the attention block that is a kernel-block multiple <= 256).

@@ -45,6 +45,18 @@ ENGINE_FLAGS = (
     EngineFlag(("--max-num-batched-tokens",), "max_num_batched_tokens", "tokens computed per step"),
     EngineFlag(("--max-prefill-chunk",), "max_prefill_chunk", "prompt tokens per request and step"),
     EngineFlag(
+        ("--max-num-prefill-tokens",),
+        "max_num_prefill_tokens",
+        "prompt tokens per step, all requests together (default: the step's budget)",
+    ),
+    EngineFlag(
+        ("--no-decode-first",),
+        "decode_first",
+        "take running requests in arrival order (default: every decode first, prompt chunks "
+        "in what is left)",
+        const=False,
+    ),
+    EngineFlag(
         ("--no-prefix-caching",),
         "enable_prefix_caching",
         "do not reuse computed prefixes",

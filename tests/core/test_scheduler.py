@@ -331,3 +331,43 @@ def test_abort_a_running_request_between_steps():
     out, _ = run_step(s, runner)
     assert [c.req_id for c in out.chunks] == ["b"]
     check_invariants(s)
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_decodes_first_and_the_prompt_tokens_cap(decode_first):
+    """Decode first: the running decodes lead the step and the prompts share what is left,
+    at most max_num_prefill_tokens; in arrival order the same step leads with the prompts."""
+    config = make_config(
+        max_num_batched_tokens=40,
+        max_prefill_chunk=16,
+        max_num_prefill_tokens=20,
+        enable_prefix_caching=False,
+        decode_first=decode_first,
+    )
+    s = Scheduler(make_plan("MA"), 64, config)
+    runner = ContentRunner(s)
+    prompts = {"r0": list(range(1, 41)), "r1": list(range(2, 42)), "r2": [5, 6, 7, 8]}
+    for req_id, prompt in prompts.items():
+        s.add_request(make_request(req_id, prompt, max_tokens=30))
+    out, _ = run_step(s, runner)  # r0 takes 16 of the 20 prompt tokens, r1 the other 4
+    assert spans(out) == [("r0", 0, 16, False), ("r1", 0, 4, False)]
+    out, _ = run_step(s, runner)
+    assert spans(out) == [("r0", 16, 16, False), ("r1", 4, 4, False)]
+    while not any(c.req_id == "r2" for c in out.chunks):
+        out, _ = run_step(s, runner)
+        assert sum(len(c.token_ids) for c in out.chunks) <= 40
+    out, _ = run_step(s, runner)  # r2 decodes; the others still read their prompts
+    decodes = [c.req_id for c in out.chunks if len(c.token_ids) == 1]
+    prompt_tokens = sum(len(c.token_ids) for c in out.chunks if c.req_id not in decodes)
+    assert "r2" in decodes and prompt_tokens <= 20
+    if decode_first:
+        assert [c.req_id for c in out.chunks][: len(decodes)] == decodes
+    finished = drain(s, runner)
+    assert sorted(r.req_id for r in finished) == ["r0", "r1", "r2"]
+    for r in finished:
+        assert r.output_token_ids == reference(r, config.max_model_len)[0]
+
+
+def test_prompt_tokens_cap_is_checked():
+    with pytest.raises(ValueError, match="max_num_prefill_tokens"):
+        make_config(max_num_prefill_tokens=0)

@@ -2,7 +2,9 @@
 random lengths, stop rules and aborts (also while a step is in flight), on a pool small enough
 to preempt often. A fake runner tracks page contents, so every step also checks that each
 request reads exactly its own context (prefix hits, copies, snapshots, sliding windows), and
-the final outputs must equal a plain generation loop's."""
+the final outputs must equal a plain generation loop's. Each step also keeps the scheduling
+policy: the step's budget, the prompt tokens' cap, the chunk and seat limits, and (decode
+first) every running decode that was not preempted gets its token."""
 
 from __future__ import annotations
 
@@ -37,16 +39,34 @@ def random_request(rng: random.Random, i: int, prefixes: list[list[int]], max_le
     )
 
 
+def check_policy(scheduler: Scheduler, out, decoding: set[str]) -> None:
+    """The step's budgets and limits; with decode_first, every decode that was running before
+    `schedule()` and still runs after it (not preempted) is in the step."""
+    config = scheduler.config
+    sizes = {c.req_id: len(c.token_ids) for c in out.chunks}
+    assert len(sizes) == len(out.chunks)
+    assert sum(sizes.values()) <= config.max_num_batched_tokens
+    prompts = sum(n for r, n in sizes.items() if r not in decoding)
+    assert prompts <= (config.max_num_prefill_tokens or config.max_num_batched_tokens)
+    assert all(n <= config.max_prefill_chunk for r, n in sizes.items() if r not in decoding)
+    assert len(scheduler.running) <= config.max_num_seqs
+    if config.decode_first:
+        still = decoding & {r.req_id for r in scheduler.running}
+        assert still <= set(sizes), f"decodes left out: {sorted(still - set(sizes))}"
+
+
 @pytest.mark.parametrize(
-    "kinds,num_pages,unit,num_requests,min_preemptions,min_hit_rate,seed",
+    "kinds,num_pages,unit,num_requests,min_preemptions,min_hit_rate,seed,policy",
     [
-        ("MASM", 48, 4, 2000, 100, 0.02, 0),  # hybrid with a sliding window, tight pool
-        ("MA", 24, None, 700, 100, 0.02, 1),  # unit = page (16 tokens), very tight pool
-        ("AS", 30, 8, 700, 100, 0.05, 2),  # attention only
-        ("MASM", 400, 4, 700, 0, 0.3, 3),  # roomy pool: the cache keeps what is shared
+        ("MASM", 48, 4, 2000, 100, 0.02, 0, {}),  # hybrid with a sliding window, tight pool
+        ("MA", 24, None, 700, 100, 0.02, 1, {}),  # unit = page (16 tokens), very tight pool
+        ("AS", 30, 8, 700, 100, 0.05, 2, {}),  # attention only
+        ("MASM", 400, 4, 700, 0, 0.3, 3, {}),  # roomy pool: the cache keeps what is shared
+        ("MASM", 48, 4, 700, 50, 0.02, 4, {"max_num_prefill_tokens": 20}),  # prompts capped
+        ("MASM", 48, 4, 700, 50, 0.02, 5, {"decode_first": False}),  # arrival order
     ],
 )
-def test_soak(kinds, num_pages, unit, num_requests, min_preemptions, min_hit_rate, seed):
+def test_soak(kinds, num_pages, unit, num_requests, min_preemptions, min_hit_rate, seed, policy):
     rng = random.Random(seed)
     max_len = 128
     plan = make_plan(kinds, block_size=16, window=12)
@@ -56,6 +76,7 @@ def test_soak(kinds, num_pages, unit, num_requests, min_preemptions, min_hit_rat
         max_prefill_chunk=24,
         max_model_len=max_len,
         prefix_unit=unit,
+        **policy,
     )
     scheduler = Scheduler(plan, num_pages, config)
     runner = ContentRunner(scheduler)
@@ -68,8 +89,12 @@ def test_soak(kinds, num_pages, unit, num_requests, min_preemptions, min_hit_rat
                 added += 1
         if rng.random() < 0.02 and scheduler.requests:
             aborted.add(scheduler.abort_request(rng.choice(list(scheduler.requests))).req_id)
+        decoding = {
+            r.req_id for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1
+        }
         out = scheduler.schedule()
         check_invariants(scheduler)
+        check_policy(scheduler, out, decoding)
         if rng.random() < 0.02 and out.chunks:  # abort a request whose step is in flight
             victim = scheduler.abort_request(rng.choice(out.chunks).req_id)
             if victim is not None:
