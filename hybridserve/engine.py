@@ -73,8 +73,10 @@ class LLMEngine:
             raise ValueError(
                 f"the cache pool has {self.runner.num_pages} pages but one request of "
                 f"max_model_len={self.max_model_len} tokens needs {need}: give the "
-                "cache more memory or lower max_model_len"
+                "cache more memory (kv_cache_memory / --kv-cache-memory bytes, or a higher "
+                "gpu_memory_utilization) or lower max_model_len"
             )
+        self.full_requests = (self.runner.num_pages - 1) // need  # of max_model_len tokens
         self.tokenizer = Tokenizer.maybe_load(config.model)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hybridserve.cache.plan import make_plan, num_pages_for
 from hybridserve.config import CacheConfig
+from hybridserve.runner.memory import HOST_POOL_BYTES
 from hybridserve.weights.loader import read_config
 
 # The tiny HF checkpoints (hf_models): 32 seats of 128 tokens (the P/D tests hold 32 prompts).
@@ -32,4 +33,5 @@ def pool_of(model: str | Path, settings: dict = TINY, tp: int = 1) -> CacheConfi
     plan = make_plan(cfg, CacheConfig(), tp, settings["dtype"])
     seats, length = settings["max_num_seqs"], settings["max_model_len"]
     chunk = settings.get("max_prefill_chunk", 256)  # the engine's default chunk
-    return CacheConfig(num_pages=num_pages_for(plan, CacheConfig(), seats, length, chunk))
+    pages = num_pages_for(plan, CacheConfig(), seats, length, chunk, HOST_POOL_BYTES)
+    return CacheConfig(num_pages=pages)

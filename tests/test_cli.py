@@ -48,5 +48,11 @@ def test_engine_flags_reach_the_config():
     assert proc.returncode == 2 and "prefix_unit must be >= 1" in proc.stderr
     proc = _run("serve", "--max-num-seqs", "0")
     assert proc.returncode == 2 and "max_num_seqs must be >= 1" in proc.stderr
+    proc = _run("serve", "--gpu-memory-utilization", "1.5")
+    assert proc.returncode == 2 and "gpu_memory_utilization must be in (0, 1]" in proc.stderr
+    proc = _run("serve", "--max-num-prefill-tokens", "0")
+    assert proc.returncode == 2 and "max_num_prefill_tokens must be >= 1" in proc.stderr
     proc = _run("serve", "--help")
     assert "--prefix-unit" in proc.stdout and "--max-prefill-chunk" in proc.stdout
+    for flag in ("--gpu-memory-utilization", "--kv-cache-memory", "--no-decode-first"):
+        assert flag in proc.stdout

@@ -148,13 +148,16 @@ def num_pages_for(
     max_num_seqs: int,
     max_model_len: int,
     max_prefill_chunk: int,
+    available_bytes: int,
 ) -> int:
     """Pages in the pool: `cache.num_pages` if set; otherwise as many as fit in
-    `cache.memory_bytes` per rank, but no more than `2 * max_num_seqs * per_request + 1`, with
-    `per_request = sum(pages_per_request(plan, max_model_len, max_prefill_chunk))` (the rest
-    would only hold prefix-cache entries, and a smaller pool keeps every region small)."""
+    `cache.memory_bytes` per rank, or in `available_bytes` without it (`runner.memory`), but
+    no more than `2 * max_num_seqs * per_request + 1`, with `per_request =
+    sum(pages_per_request(plan, max_model_len, max_prefill_chunk))` (the rest would only hold
+    prefix-cache entries, and a smaller pool keeps every region small)."""
     if cache.num_pages is not None:
         return cache.num_pages
     per_request = sum(pages_per_request(plan, max_model_len, max_prefill_chunk))
-    fit = cache.memory_bytes // (plan.page_size_bytes * plan.num_regions)
+    budget = cache.memory_bytes if cache.memory_bytes is not None else available_bytes
+    fit = budget // (plan.page_size_bytes * plan.num_regions)
     return max(2, min(fit, 2 * max_num_seqs * per_request + 1))

@@ -41,8 +41,12 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The paged cache. `kv_dtype`/`conv_dtype` "auto" follow the model dtype; the ssm state is
-    float32 unless set. `num_pages` fixes the pool size; otherwise `memory_bytes` per rank is
-    split into pages. `block_size` is a lower bound (raised to fit a Mamba state)."""
+    float32 unless set. `num_pages` fixes the pool size; otherwise `memory_bytes` per rank
+    (`--kv-cache-memory`) is split into pages; without it, on a device that reports its memory
+    (a GPU), the pool takes `gpu_memory_utilization` of the allocator's limit less the weights
+    and the largest step program's activations (`runner.memory`), and elsewhere 256 MiB. The
+    pool never exceeds what `2 * max_num_seqs` requests of max_model_len tokens can use.
+    `block_size` is a lower bound (raised to fit a Mamba state)."""
 
     kv_dtype: str = "auto"
     conv_dtype: str = "auto"
@@ -51,11 +55,20 @@ class CacheConfig:
     kernel_block_size: int = 16
     block_size: int | None = None
     num_pages: int | None = None
-    memory_bytes: int = 256 * 2**20
+    memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         require(self.kernel_block_size > 0, "kernel_block_size must be > 0")
         require(self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2")
+        require(
+            self.memory_bytes is None or self.memory_bytes > 0,
+            f"memory_bytes (kv_cache_memory) must be > 0, got {self.memory_bytes}",
+        )
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +260,8 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "max_held_fraction": ("scheduler", "max_held_fraction"),
     "async_scheduling": ("scheduler", "async_scheduling"),
     "block_size": ("cache", "block_size"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "kv_cache_memory": ("cache", "memory_bytes"),
 }
 # keyword of a whole sub-config -> (EngineConfig field, its class)
 WHOLE: dict[str, tuple[str, type]] = {

@@ -55,6 +55,10 @@ class LLM:
         prefix_unit: the granularity of prefix-cache sharing, in tokens (None: the largest
           divisor of the attention block that is a kernel-block multiple <= 256).
         max_held_fraction: the most of the pool finished P/D prefill requests may hold.
+        gpu_memory_utilization: the share (0.9) of the device memory allocator's limit for
+          weights, activations and the cache pool, which takes the rest (GPUs only).
+        kv_cache_memory: cache pool bytes per device (default: by gpu_memory_utilization on
+          GPUs, 256 MiB on CPUs).
         cache: the paged cache's settings (`CacheConfig` or its fields as a dict: dtypes,
           conv layout, pool size); block_size: the least tokens per cache page.
         seed: base seed of requests whose SamplingParams carry none (and of dummy weights).

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from backends.protocol import load_ops
-from hybridserve.cache.plan import make_plan, num_pages_for
+from hybridserve.cache.plan import make_plan, num_pages_for, pages_per_request
 from hybridserve.config import CacheConfig
 from hybridserve.parallel import make_mesh
+from hybridserve.runner.memory import (
+    HOST_POOL_BYTES,
+    PoolSizing,
+    activation_bytes,
+    device_budget,
+    pool_budget,
+)
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.weights.loader import load_model
 
@@ -30,12 +39,27 @@ def make_runner(
     """Load the model and allocate its cache (`shareable_regions`: see `cache.regions`;
     `load_format="dummy"`: random weights drawn from `seed`, see `weights/dummy.py`). The pool
     is sized for requests computed in chunks of at most `max_prefill_chunk` tokens (the
-    engine's), see `cache.plan.num_pages_for`."""
+    engine's) and, unless the cache config fixes it, by device memory: `runner.memory`."""
     cache = cache or CacheConfig()
     mesh = make_mesh(tp)
     model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress, load_format, seed)
     dtype_name = jnp.dtype(dtype or cfg.dtype).name
     plan = make_plan(cfg, cache, tp, dtype_name)
     max_len = min(max_model_len, cfg.max_position_embeddings)
-    pages = num_pages_for(plan, cache, max_num_seqs, max_len, max_prefill_chunk)
-    return ModelRunner(model, cfg, plan, mesh, pages, max_len, shareable_regions=shareable_regions)
+    size = functools.partial(num_pages_for, plan, cache, max_num_seqs, max_len, max_prefill_chunk)
+    budget = None
+    if cache.num_pages is None and cache.memory_bytes is None:
+        budget = device_budget(mesh, cache.gpu_memory_utilization)
+    if budget is None:  # a fixed pool, or a device that reports no memory
+        pages = size(HOST_POOL_BYTES)
+        return ModelRunner(
+            model, cfg, plan, mesh, pages, max_len, shareable_regions=shareable_regions
+        )
+    # sized by memory: a pool for one request, the largest program's activations, then the rest
+    one = sum(pages_per_request(plan, max_len, max_prefill_chunk)) + 1
+    runner = ModelRunner(model, cfg, plan, mesh, one, max_len, shareable_regions=shareable_regions)
+    regions = runner.cache_bytes // plan.tensor_parallel_size
+    activations = activation_bytes(runner, max_num_seqs, max_prefill_chunk)
+    runner.resize_pool(size(pool_budget(budget, activations, regions)))
+    runner.pool_sizing = PoolSizing(budget + regions, activations)
+    return runner

@@ -39,10 +39,10 @@ from hybridserve.runner.input_batch import (
     bucket,
     build_batch,
     pack_ints,
-    table_width,
-    token_buckets,
     unpack_ints,
 )
+from hybridserve.runner.memory import PoolSizing
+from hybridserve.runner.programs import warmup
 from hybridserve.runner.request_state import (
     RequestStates,
     RunnerOutput,
@@ -94,6 +94,7 @@ class ModelRunner:
         self.cfg, self.plan, self.mesh = cfg, plan, mesh
         self.num_pages, self.max_model_len = num_pages, max_model_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.pool_sizing: PoolSizing | None = None  # set when the pool is sized by memory
         self.layout = dataclasses.replace(build_layout(cfg, plan), mesh=mesh)
         model.prepare(mesh)  # merged projections; at TP 1 rows for the fused path
         self.graphdef, self.params = nnx.split(model)
@@ -101,13 +102,10 @@ class ModelRunner:
         # pytree walk per call (~0.15 ms for 91 leaves on a laptop CPU, several ms for the
         # 9B shape's 557 on the GPU host)
         self._leaves, self._param_def = jax.tree.flatten(self.params)
-        tp = plan.tensor_parallel_size
         sharding = NamedSharding(mesh, PartitionSpec("tp", None, None))
-        shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes // WORD_BYTES)
-        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (cache/regions)
-        self.regions, self._region_owners = allocate_regions(
-            shape, plan.num_regions, sharding, shareable_regions
-        )
+        self._shareable = shareable_regions
+        self.regions: list[jax.Array] = []
+        self.resize_pool(num_pages)
         # Fixed output shardings: the regions come back exactly as they went in, so a copy
         # followed by a step (or the reverse) never looks like a new input to either program.
         regions_out = [sharding] * plan.num_regions
@@ -131,6 +129,22 @@ class ModelRunner:
         self.spec: SpecDecoder | None = None
         self._copy = jax.jit(
             apply_page_copies, donate_argnums=(0,), static_argnums=(2,), out_shardings=regions_out
+        )
+
+    def resize_pool(self, num_pages: int) -> None:
+        """(Re)allocate the regions for `num_pages` pages, zeroed: at construction, or before
+        the first step when the pool is sized after a profile (`runner.memory`); a connector
+        must not have registered the old ones."""
+        tp = self.plan.tensor_parallel_size
+        sharding = NamedSharding(self.mesh, PartitionSpec("tp", None, None))
+        shape = (tp, num_pages * self.layout.page_rows, self.layout.row_bytes // WORD_BYTES)
+        for region in self.regions:
+            region.delete()
+        self.regions, self._region_owners = [], []
+        self.num_pages = num_pages
+        # `shareable_regions` (GPU P/D): cudaMalloc'd regions that UCX can map (cache/regions)
+        self.regions, self._region_owners = allocate_regions(
+            shape, self.plan.num_regions, sharding, self._shareable
         )
 
     @property
@@ -218,16 +232,7 @@ class ModelRunner:
         before its drafts and of its drafts (`n_logits=None`: every position, [B, T, V]), and
         with `keep_hidden` the final hidden states [B, T, D]. `fill` = (device tokens, slots,
         rows): pending tokens written into the batch on the device (`inflight`)."""
-        mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
-        drafts = np.zeros(batch.tokens.shape[0], np.int32)
-        if batch.num_drafts is not None:
-            drafts = batch.num_drafts
-        packed, shapes = pack_ints(
-            [batch.tokens, batch.positions, batch.lengths, drafts, *batch.tables]
-        )
-        # committed and replicated either way: the step program sees one kind of input (an
-        # uncommitted host array and a program's output would compile it twice)
-        ints = jax.device_put(packed, self._replicated)
+        mm, ints, shapes = self._pack(batch)
         if fill is not None:
             tokens, slots, rows = fill
             ints = self._fill(ints, tokens, jnp.asarray(slots), jnp.asarray(rows))
@@ -241,6 +246,28 @@ class ModelRunner:
             keep_hidden=keep_hidden,
         )
         return logits, hidden
+
+    def _pack(self, batch: BatchArrays) -> tuple[list, jax.Array, tuple]:
+        """The step program's inputs: multimodal rows, the packed integers, their shapes."""
+        mm = [None if a is None else jnp.asarray(a) for a in (batch.embeds, batch.embed_mask)]
+        drafts = np.zeros(batch.tokens.shape[0], np.int32)
+        if batch.num_drafts is not None:
+            drafts = batch.num_drafts
+        packed, shapes = pack_ints(
+            [batch.tokens, batch.positions, batch.lengths, drafts, *batch.tables]
+        )
+        # committed and replicated either way: the step program sees one kind of input (an
+        # uncommitted host array and a program's output would compile it twice)
+        return mm, jax.device_put(packed, self._replicated), shapes
+
+    def compile_step(self, batch: BatchArrays) -> jax.stages.Compiled:
+        """The step program for `batch`'s shapes, compiled and not run (its memory analysis
+        sizes the pool: `runner.memory`)."""
+        mm, ints, shapes = self._pack(batch)
+        lowered = self._step.lower(
+            self._leaves, self.regions, ints, *mm, shapes=shapes, n_logits=1, keep_hidden=False
+        )
+        return lowered.compile()
 
     def mtp(
         self, head: int, hidden: jax.Array, tokens: np.ndarray, batch: BatchArrays
@@ -365,29 +392,9 @@ class ModelRunner:
         return StepLogits(order, _gather_rows(got, order, sources, n_logits == 1), passes)
 
     def warmup(self, max_num_seqs: int, max_prefill_chunk: int) -> int:
-        """Compile every program `execute` can need for batches of up to `max_num_seqs` rows and
-        prefill chunks of up to `max_prefill_chunk` tokens (dummy rows on the null page).
-        Returns the number of programs."""
-        rows = token_buckets(bucket(max_num_seqs), 1)
-        width = table_width(self.plan, self.max_model_len)
-        shapes = [(b, 1) for b in rows]
-        shapes += [(b, t) for b in rows for t in token_buckets(max(max_prefill_chunk, 16))]
-        for b, t in shapes:
-            tables = tuple(
-                np.zeros((b, width) if g.spec.holds_tokens else (b,), np.int32)
-                for g in self.plan.groups
-            )
-            batch = BatchArrays(
-                np.zeros((b, t), np.int32),
-                np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-                np.full(b, t, np.int32),
-                tables,
-                b,
-            )
-            self.run(batch)
-        self.copy_pages([(0, 0)])
-        jax.block_until_ready(self.regions)
-        return len(shapes) + 1
+        """Compile every program `execute` can need (`runner.programs.warmup`); returns how
+        many."""
+        return warmup(self, max_num_seqs, max_prefill_chunk)
 
     def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
         """All-position logits [T, V] of one chunk (for checks and verification)."""

@@ -57,6 +57,19 @@ ENGINE_FLAGS = (
         const=False,
     ),
     EngineFlag(
+        ("--gpu-memory-utilization",),
+        "gpu_memory_utilization",
+        "share of the device memory allocator's limit for weights, activations and the cache "
+        "pool (default 0.9; GPUs only)",
+        float,
+    ),
+    EngineFlag(
+        ("--kv-cache-memory",),
+        "kv_cache_memory",
+        "cache pool bytes per device (default: sized by --gpu-memory-utilization on GPUs, "
+        "256 MiB on CPUs)",
+    ),
+    EngineFlag(
         ("--no-prefix-caching",),
         "enable_prefix_caching",
         "do not reuse computed prefixes",

@@ -119,5 +119,19 @@ def serve(
         bound_host,
         bound_port,
     )
+    runner = engine.runner
+    log.info(
+        "cache pool: %d pages, %.2f GiB per device%s; it holds %d requests of max_model_len "
+        "%d tokens (%d tokens)",
+        runner.num_pages - 1,
+        runner.cache_bytes / runner.plan.tensor_parallel_size / 2**30,
+        ""
+        if runner.pool_sizing is None
+        else f" (sized by memory: {runner.pool_sizing.budget_bytes / 2**30:.2f} GiB beyond the "
+        f"weights, {runner.pool_sizing.activation_bytes / 2**30:.2f} GiB of activations)",
+        engine.full_requests,
+        engine.max_model_len,
+        engine.full_requests * engine.max_model_len,
+    )
     asyncio.run(DrainingServer(config, async_engine, settings.drain_timeout_s).serve([sock]))
     return 0

@@ -29,9 +29,9 @@ def test_pool_and_coordinator_agree_at_the_real_chunk():
     for chunk in (8, 64, 256, 1024):
         need = coord.pages_for(1000, chunk)
         assert need == sum(pages_per_request(plan, 1000, chunk))
-        assert num_pages_for(plan, cache, 3, 1000, chunk) == 2 * 3 * need + 1
+        assert num_pages_for(plan, cache, 3, 1000, chunk, 0) == 2 * 3 * need + 1
     # a chunk smaller than the old fixed 256 sizes a smaller pool, still enough for one request
-    assert num_pages_for(plan, cache, 1, 1000, 8) < num_pages_for(plan, cache, 1, 1000, 256)
+    assert num_pages_for(plan, cache, 1, 1000, 8, 0) < num_pages_for(plan, cache, 1, 1000, 256, 0)
     assert CacheConfig(num_pages=5).num_pages == num_pages_for(
-        plan, CacheConfig(num_pages=5), 1, 1, 1
+        plan, CacheConfig(num_pages=5), 1, 1, 1, 0
     )

@@ -45,6 +45,10 @@ OLD_DEFAULTS = {
     "prefix_unit": None,
     "max_held_fraction": 0.75,
     "async_scheduling": True,  # since: overlapped steps
+    "max_num_prefill_tokens": None,  # since: decode first, prompts capped per step
+    "decode_first": True,
+    "gpu_memory_utilization": 0.9,  # since: pools sized by memory (the CPU: 256 MiB, as before)
+    "kv_cache_memory": None,
 }
 
 # flat key -> (a non-default value, where it lands)
@@ -63,6 +67,10 @@ SAMPLES = {
     "max_held_fraction": (0.5, lambda c: c.scheduler.max_held_fraction),
     "async_scheduling": (False, lambda c: c.scheduler.async_scheduling),
     "block_size": (64, lambda c: c.cache.block_size),
+    "max_num_prefill_tokens": (128, lambda c: c.scheduler.max_num_prefill_tokens),
+    "decode_first": (False, lambda c: c.scheduler.decode_first),
+    "gpu_memory_utilization": (0.5, lambda c: c.cache.gpu_memory_utilization),
+    "kv_cache_memory": (2**30, lambda c: c.cache.memory_bytes),
 }
 SPEC = SpeculativeConfig(num_speculative_tokens=3)
 KV = KVTransferConfig(kv_role="kv_producer")

@@ -1,0 +1,66 @@
+"""How many cache pages fit: the pool sized from device memory, as vLLM sizes its KV cache.
+
+With neither `CacheConfig.num_pages` nor `CacheConfig.memory_bytes` (`--kv-cache-memory`)
+given, a device that reports its memory (a GPU) gets a pool of
+  pool bytes = utilization * bytes_limit - bytes in use (weights, small buffers)
+               - the activation peak of the largest step program
+per rank (the least over the mesh's devices), where `utilization` is
+`CacheConfig.gpu_memory_utilization` (0.9) of the allocator's limit (JAX's, set by
+XLA_PYTHON_CLIENT_MEM_FRACTION) and the activation peak is the compiled program's temporary
+and output bytes (its memory analysis: the program is compiled, not run). Devices that report
+no memory (the CPU) get `HOST_POOL_BYTES`. Either way `cache.plan.num_pages_for` caps the pool
+at what `2 * max_num_seqs` requests of `max_model_len` tokens can use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from jax.sharding import Mesh
+
+from hybridserve.runner.programs import dummy_batch, shapes
+
+if TYPE_CHECKING:
+    from hybridserve.runner.model_runner import ModelRunner
+
+HOST_POOL_BYTES = 256 * 2**20  # per rank, where the device reports no memory (the CPU)
+
+
+def device_budget(mesh: Mesh, utilization: float) -> int | None:
+    """`utilization * bytes_limit - bytes_in_use`, the least over the mesh's devices; None
+    when a device reports no memory statistics (the CPU)."""
+    budgets = []
+    for device in mesh.devices.flat:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        budgets.append(int(utilization * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return min(budgets)
+
+
+def activation_bytes(runner: ModelRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
+    """Temporary + output bytes of the largest step program `execute` can run (the most rows
+    times the longest chunk), from its compiled memory analysis (compiled, not run)."""
+    rows, tokens = max(shapes(max_num_seqs, max_prefill_chunk), key=lambda s: s[0] * s[1])
+    batch = dummy_batch(runner, rows, tokens)
+    analysis = runner.compile_step(batch).memory_analysis()
+    if analysis is None:
+        return 0
+    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizing:
+    """What a pool sized by memory was sized from, per rank: the bytes the engine may use
+    beyond the weights (`utilization * limit - in use`, regions not counted) and the largest
+    step program's activations."""
+
+    budget_bytes: int
+    activation_bytes: int
+
+
+def pool_budget(budget: int, activations: int, regions_now: int) -> int:
+    """Bytes per rank the pool may take: the device budget measured with `regions_now` bytes
+    of (provisional) regions allocated, less the activation peak."""
+    return max(0, budget + regions_now - activations)
