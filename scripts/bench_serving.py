@@ -11,29 +11,38 @@ Deployments (each engine a worker process, `hybridserve/entrypoints/worker.py`):
 On a GPU machine each worker sees its own GPUs (CUDA_VISIBLE_DEVICES); without GPUs the workers
 run on CPU devices (a check of the machinery, not a measurement).
 
-Workload: random prompts of --input-len tokens, --output-len tokens each (greedy, EOS ignored),
-closed loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in
-all (default 4 * C, at least 16), after a warmup pass of 2 * C of them at the same C (it
-compiles the programs the timed pass needs). Per (deployment, C):
+Workloads (--workloads IN/OUT ..., default 1024/128, prefill-heavy, and 1024/1024,
+decode-heavy): random prompts of IN tokens, OUT tokens each (greedy, EOS ignored), closed
+loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in all
+(default 4 * C, at least 16), after a warmup pass of 2 * C of them at the same C (it compiles
+the programs the timed pass needs). Per (workload, deployment, C):
   output tok/s/GPU = output tokens / (last finish - first send) / GPUs used
+  bound tok/s      = the workload's roofline bound per GPU (`serving_bound`: prefill FLOPs
+                     at the matmul ceiling + decode bytes at the copy bandwidth, both measured
+                     on the device at the start of the run), and the ratio achieved
   tok/s/user       = median over requests of (tokens - 1) / (last token - first token)
   TTFT             = first token - send (percentiles), ITL = gaps between a request's tokens
                      (percentiles over all gaps); token times come from the engine processes.
 
-    # the two-GPU comparison of BENCHMARKS.md (one H200 each for P and D; 2 colocated instances)
-    python scripts/bench_serving.py --shape nano-9b-v2 --gpus 2 --input-len 1024 \\
-        --output-len 256 --concurrency 8 16 32 64 128 256 --json serving.json --plot serving.png
+    # one H200, colocated, both workloads (benchmarks/h200/serving.json)
+    python scripts/bench_serving.py --shape nano-9b-v2 --gpus 1 --modes colocated \\
+        --json benchmarks/h200/serving.json --plot serving.png
+    # the two-GPU comparison (one H200 each for P and D; 2 colocated instances)
+    python scripts/bench_serving.py --shape nano-9b-v2 --gpus 2 --workloads 1024/256 \\
+        --concurrency 8 16 32 64 128 256
     # eight GPUs: colocated TP 8 against 1 prefill TP 4 + 1 decode TP 4
     python scripts/bench_serving.py --shape nano-30b-a3b --gpus 8 --colocated-tp 8 \\
         --prefill-tp 4 --decode-tp 4 --concurrency 8 16 32 64 128 256
     # a CPU check of the machinery (about two minutes)
-    python scripts/bench_serving.py --shape tiny --gpus 2 --input-len 32 --output-len 8 \\
+    python scripts/bench_serving.py --shape tiny --gpus 2 --workloads 32/8 \\
         --concurrency 2 4 --num-prompts 8
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import itertools
 import json
 import shutil
 import subprocess
@@ -48,6 +57,7 @@ from hybridserve.entrypoints.worker import WorkerSpec, spawn_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
+from serving_bound import WorkloadBound, ceilings  # noqa: E402
 
 MODES = ("colocated", "disaggregated")
 
@@ -66,10 +76,10 @@ def engine_kwargs(model: str, args: argparse.Namespace, tp: int) -> dict:
         "model": model,
         "dtype": args.dtype,
         "tensor_parallel_size": tp,
-        "max_model_len": args.input_len + args.output_len + 16,
+        "max_model_len": max(i + o for i, o in args.workloads) + 16,
         "max_num_seqs": max(args.concurrency),
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_prefill_chunk": min(args.input_len, args.max_num_batched_tokens),
+        "max_prefill_chunk": min(max(i for i, _ in args.workloads), args.max_num_batched_tokens),
         "enable_prefix_caching": False,
         "load_format": "auto" if args.model else "dummy",
         "cache": {"memory_bytes": int(args.cache_gib * 2**30)},
@@ -174,7 +184,7 @@ def summarise(records: list[dict], gpus: int) -> dict:
         "requests": len(records),
         "output_tokens": tokens,
         "seconds": end - start,
-        "output_tokens_per_s_per_gpu": tokens / (end - start) / gpus,
+        "output_tok_s_per_gpu": tokens / (end - start) / gpus,
         "tokens_per_s_per_user": float(np.median(per_user)) if per_user else float("nan"),
         **{f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 90, 99)},
         **{f"itl_p{q}_ms": pct(gaps, q) for q in (50, 90, 99)},
@@ -194,7 +204,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         if not pts:
             continue
         xs = [r["tokens_per_s_per_user"] for r in pts]
-        ys = [r["output_tokens_per_s_per_gpu"] for r in pts]
+        ys = [r["output_tok_s_per_gpu"] for r in pts]
         ax.plot(xs, ys, "o-", label=mode)
         for r, x, y in zip(pts, xs, ys, strict=True):
             ax.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4))
@@ -217,54 +227,93 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--prefill-tp", type=int, default=1, help="TP of the prefill engine (default 1)")
     add("--decode-tp", type=int, default=1, help="TP of the decode engine (default 1)")
     add("--transfer-mode", choices=["pull", "push"], default="push")
-    add("--input-len", type=int, default=1024)
-    add("--output-len", type=int, default=256)
-    add("--concurrency", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    add(
+        "--workloads",
+        nargs="+",
+        type=_workload,
+        default=[(1024, 128), (1024, 1024)],
+        help="IN/OUT prompt and output tokens (default 1024/128 1024/1024)",
+    )
+    add("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     add("--num-prompts", type=int, help="requests per level (default 4 x C, at least 16)")
     add("--max-num-batched-tokens", type=int, default=8192)
     add("--cache-gib", type=float, default=40, help="cache pool GiB per rank (default 40)")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write every level's numbers here")
-    add("--plot", type=Path, help="write the Pareto plot (PNG) here")
+    add("--plot", type=Path, help="write the Pareto plot (PNG) here (one per workload: -IN-OUT)")
+    add("--commit", default="", help="the code's commit, for the JSON")
     args = parser.parse_args(argv)
     if args.gpus % args.colocated_tp:
         parser.error("--gpus must be a multiple of --colocated-tp")
     if "disaggregated" in args.modes and args.prefill_tp + args.decode_tp != args.gpus:
         parser.error("--prefill-tp + --decode-tp must equal --gpus (the same GPUs per mode)")
-    if args.output_len < 2 or min(args.concurrency) < 1:
-        parser.error("--output-len must be >= 2 and every concurrency >= 1")
+    if min(o for _, o in args.workloads) < 2 or min(args.concurrency) < 1:
+        parser.error("every workload's OUT must be >= 2 and every concurrency >= 1")
     return args
+
+
+def _workload(text: str) -> tuple[int, int]:
+    try:
+        i, o = (int(v) for v in text.split("/"))
+    except ValueError:
+        msg = f"a workload is IN/OUT tokens, e.g. 1024/128: {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if i < 1 or o < 1:
+        raise argparse.ArgumentTypeError(f"IN and OUT must be >= 1: {text!r}")
+    return i, o
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     on_gpu = _has_gpus()
+    ceil = ceilings(_gpu_env(0, 1, on_gpu))
+    print(
+        f"{ceil['device']}: matmul {ceil['matmul_flop_s'] / 1e12:.1f} TFLOP/s, "
+        f"copy {ceil['copy_bytes_s'] / 1e9:.0f} GB/s",
+        flush=True,
+    )
     rows: list[dict] = []
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "on_gpu": on_gpu, "rows": rows}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
+        "device": ceil["device"],
+        "ceilings": ceil,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "on_gpu": on_gpu,
+        "rows": rows,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model = str(args.model or random_models.write_config(args.shape, tmp))
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        bound = WorkloadBound(model, args.dtype)
         rng = np.random.default_rng(0)
         for mode in args.modes:
             print(f"[{mode}] starting workers ...", flush=True)
             deployment = Deployment(mode, model, args, on_gpu)
             try:
-                for c in args.concurrency:
+                for (i, o), c in itertools.product(args.workloads, args.concurrency):
                     n = args.num_prompts or max(16, 4 * c)
-                    prompts = [rng.integers(3, vocab, args.input_len).tolist() for _ in range(n)]
-                    deployment.run(prompts[: 2 * c], c, args.output_len)  # warmup: compiles
-                    records = deployment.run(prompts, c, args.output_len)
-                    row = {"mode": mode, "concurrency": c, "gpus": deployment.gpus}
-                    rows.append(row | summarise(records, deployment.gpus))
-                    print(json.dumps(rows[-1]), flush=True)
+                    prompts = [rng.integers(3, vocab, i).tolist() for _ in range(n)]
+                    deployment.run(prompts[: 2 * c], c, o)  # warmup: compiles
+                    records = deployment.run(prompts, c, o)
+                    row = {"mode": mode, "concurrency": c, "input_len": i, "output_len": o}
+                    row |= {"gpus": deployment.gpus} | summarise(records, deployment.gpus)
+                    gpus = deployment.gpus  # the bound per GPU, as the throughput
+                    row["bound_tok_s"] = bound.tokens_per_s(ceil, i, o, c, gpus) / gpus
+                    row["of_bound"] = row["output_tok_s_per_gpu"] / row["bound_tok_s"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
                     if args.json:
                         args.json.write_text(json.dumps(result, indent=2))
             finally:
                 deployment.close()
     _print_table(rows)
     if args.plot:
-        plot(rows, args.plot, f"{args.shape if not args.model else args.model.name}, "
-             f"{args.input_len}/{args.output_len} tokens, {args.gpus} GPUs")  # fmt: skip
+        name = args.model.name if args.model else args.shape
+        for i, o in args.workloads:
+            pts = [r for r in rows if (r["input_len"], r["output_len"]) == (i, o)]
+            path = args.plot.with_name(f"{args.plot.stem}-{i}-{o}{args.plot.suffix}")
+            plot(pts, path, f"{name}, {i}/{o} tokens, {args.gpus} GPUs")
     return result
 
 
@@ -278,13 +327,15 @@ def _has_gpus() -> bool:
 
 def _print_table(rows: list[dict]) -> None:
     print(
-        f"{'mode':>13} {'C':>4} {'reqs':>5} {'tok/s/GPU':>10} {'tok/s/user':>10} "
-        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+        f"{'mode':>13} {'in/out':>10} {'C':>4} {'reqs':>5} {'tok/s/GPU':>10} {'bound':>8} "
+        f"{'of bound':>8} {'tok/s/user':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+        f"{'ITL p99':>8}"
     )
     for r in rows:
         print(
-            f"{r['mode']:>13} {r['concurrency']:>4} {r['requests']:>5} "
-            f"{r['output_tokens_per_s_per_gpu']:>10.1f} {r['tokens_per_s_per_user']:>10.1f} "
+            f"{r['mode']:>13} {r['input_len']:>5}/{r['output_len']:<4} {r['concurrency']:>4} "
+            f"{r['requests']:>5} {r['output_tok_s_per_gpu']:>10.1f} {r['bound_tok_s']:>8.1f} "
+            f"{r['of_bound']:>8.2f} {r['tokens_per_s_per_user']:>10.1f} "
             f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
             f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}"
         )
