@@ -15,14 +15,10 @@ at what `2 * max_num_seqs` requests of `max_model_len` tokens can use.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from jax.sharding import Mesh
 
-from hybridserve.runner.programs import dummy_batch, shapes
-
-if TYPE_CHECKING:
-    from hybridserve.runner.model_runner import ModelRunner
+from hybridserve.runner.programs import StepRunner, dummy_batch, shapes
 
 HOST_POOL_BYTES = 256 * 2**20  # per rank, where the device reports no memory (the CPU)
 
@@ -39,7 +35,7 @@ def device_budget(mesh: Mesh, utilization: float) -> int | None:
     return min(budgets)
 
 
-def activation_bytes(runner: ModelRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
+def activation_bytes(runner: StepRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
     """Temporary + output bytes of the largest step program `execute` can run (the most rows
     times the longest chunk), from its compiled memory analysis (compiled, not run)."""
     rows, tokens = max(shapes(max_num_seqs, max_prefill_chunk), key=lambda s: s[0] * s[1])

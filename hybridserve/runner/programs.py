@@ -7,18 +7,29 @@ the largest program's memory analysis.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from hybridserve.cache.plan import CachePlan
 from hybridserve.runner.input_batch import BatchArrays, bucket, table_width, token_buckets
 
-if TYPE_CHECKING:
-    from hybridserve.runner.model_runner import ModelRunner
+
+class StepRunner(Protocol):
+    """What these functions use of a `ModelRunner` (named structurally: the runner imports
+    this module)."""
+
+    plan: CachePlan
+    max_model_len: int
+    regions: list[jax.Array]
+
+    def run(self, batch: BatchArrays) -> Any: ...
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None: ...
+    def compile_step(self, batch: BatchArrays) -> Any: ...
 
 
-def dummy_batch(runner: ModelRunner, rows: int, tokens: int) -> BatchArrays:
+def dummy_batch(runner: StepRunner, rows: int, tokens: int) -> BatchArrays:
     """`rows` rows of `tokens` tokens, every page the null page."""
     width = table_width(runner.plan, runner.max_model_len)
     tables = tuple(
@@ -42,7 +53,7 @@ def shapes(max_num_seqs: int, max_prefill_chunk: int) -> list[tuple[int, int]]:
     return out + [(b, t) for b in rows for t in token_buckets(max(max_prefill_chunk, 16))]
 
 
-def warmup(runner: ModelRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
+def warmup(runner: StepRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
     """Compile every program `execute` can need (and the page copy); returns how many."""
     todo = shapes(max_num_seqs, max_prefill_chunk)
     for b, t in todo:
