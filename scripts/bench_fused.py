@@ -123,8 +123,8 @@ def bench_linear(args, bw: float) -> list[dict]:
         grid = args.grid or [f"{bn},{bk},{w},{s},1" for bn, bk, w, s in sweep(m)]
         if not args.smoke and name not in args.sweep:
             grid = []
-        bn, bk, warps, splits = default
-        for spec in dict.fromkeys([f"{bn},{bk},{warps},0,{splits}", *grid]):
+        bn, bk, warps, stages, splits = default
+        for spec in dict.fromkeys([f"{bn},{bk},{warps},{stages or 0},{splits}", *grid]):
             bn, bk, warps, stages, splits = (int(v) for v in (spec + ",1").split(",")[:5])
             fn = lambda x, w, nm, a, r, bn=bn, bk=bk, wp=warps, st=stages, sp=splits: linear_tiled(  # noqa: E731
                 x, w, None, nm, a, r, 1.0, bn=bn, bk=bk, warps=wp, stages=st or None, splits=sp

@@ -150,15 +150,18 @@ def _kernel(
         plgpu.store(o_ref.at[r, cols], y.astype(o_ref.dtype), mask=col_ok)
 
 
-def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int, int]:
-    """(bn, bk, num_warps, splits) for M rows of x times an [N, K] weight (measured on an
-    H200: BENCHMARKS.md, "the fused projections" and "the copy timed back to back"). Up to
-    8192 keys, 2048 a chunk (Nano-9B-v2's 4480: 3 chunks, not 5); past that 1024."""
+def tiles(m: int, n: int, k: int, group: int = 0) -> tuple[int, int, int, int | None, int]:
+    """(bn, bk, num_warps, num_stages, splits) for M rows of x times an [N, K] weight
+    (measured on an H200: BENCHMARKS.md, "the fused projections" and "the copy timed back to
+    back"). Up to 8192 keys, 2048 a chunk (Nano-9B-v2's 4480: 3 chunks, not 5); past that
+    1024. num_stages None: Triton's default."""
     if group and group % 1024:  # Mamba2's output (groups of 1280): a group a program
-        return 4, 2048, 4, k // group
+        return 4, 2048, 4, None, k // group
     if group:
-        return 8, 1024, 4, 1
-    return (4, 2048, 4, 1) if k <= 8192 else (4, 1024, 4, 1)
+        return 8, 1024, 4, None, 1
+    if k <= 8192:
+        return 4, 2048, 4, None, 1
+    return 4, 1024, 4, None, 1
 
 
 @register("linear", "pallas")
@@ -176,9 +179,20 @@ def linear(
         return linear_reference(x, w, bias, norm, activation, residual, scale)
     n, k = w.shape
     group = 0 if norm is None else norm.group_size if norm.group_size != k else 0
-    bn, bk, warps, splits = tiles(m, n, k, group)
+    bn, bk, warps, stages, splits = tiles(m, n, k, group)
     return linear_tiled(
-        x, w, bias, norm, activation, residual, scale, bn=bn, bk=bk, warps=warps, splits=splits
+        x,
+        w,
+        bias,
+        norm,
+        activation,
+        residual,
+        scale,
+        bn=bn,
+        bk=bk,
+        warps=warps,
+        stages=stages,
+        splits=splits,
     )
 
 
