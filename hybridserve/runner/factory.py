@@ -47,18 +47,24 @@ def make_runner(
     plan = make_plan(cfg, cache, tp, dtype_name)
     max_len = min(max_model_len, cfg.max_position_embeddings)
     size = functools.partial(num_pages_for, plan, cache, max_num_seqs, max_len, max_prefill_chunk)
-    budget = None
-    if cache.num_pages is None and cache.memory_bytes is None:
-        budget = device_budget(mesh, cache.gpu_memory_utilization)
-    if budget is None:  # a fixed pool, or a device that reports no memory
-        pages = size(HOST_POOL_BYTES)
-        return ModelRunner(
-            model, cfg, plan, mesh, pages, max_len, shareable_regions=shareable_regions
-        )
-    # sized by memory: a pool for one request, the largest program's activations, then the rest
-    one = sum(pages_per_request(plan, max_len, max_prefill_chunk)) + 1
-    runner = ModelRunner(model, cfg, plan, mesh, one, max_len, shareable_regions=shareable_regions)
-    regions = runner.cache_bytes // plan.tensor_parallel_size
+    make = functools.partial(
+        ModelRunner,
+        model,
+        cfg,
+        plan,
+        mesh,
+        max_model_len=max_len,
+        shareable_regions=shareable_regions,
+    )
+    if cache.num_pages is not None or cache.memory_bytes is not None:
+        return make(num_pages=size(0))
+    # a pool for one request, then the device's budget with the weights in place (prepared)
+    runner = make(num_pages=sum(pages_per_request(plan, max_len, max_prefill_chunk)) + 1)
+    budget = device_budget(mesh, cache.gpu_memory_utilization)
+    if budget is None:  # the device reports no memory (the CPU)
+        runner.resize_pool(size(HOST_POOL_BYTES))
+        return runner
+    regions = runner.cache_bytes // plan.tensor_parallel_size  # counted in the budget's use
     activations = activation_bytes(runner, max_num_seqs, max_prefill_chunk)
     runner.resize_pool(size(pool_budget(budget, activations, regions)))
     runner.pool_sizing = PoolSizing(budget + regions, activations)

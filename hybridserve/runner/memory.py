@@ -36,14 +36,16 @@ def device_budget(mesh: Mesh, utilization: float) -> int | None:
 
 
 def activation_bytes(runner: StepRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
-    """Temporary + output bytes of the largest step program `execute` can run (the most rows
-    times the longest chunk), from its compiled memory analysis (compiled, not run)."""
+    """Temporary and output bytes (less the outputs aliased to donated inputs: the regions)
+    of the largest step program `execute` can run (the most rows times the longest chunk),
+    from its compiled memory analysis (compiled, not run)."""
     rows, tokens = max(shapes(max_num_seqs, max_prefill_chunk), key=lambda s: s[0] * s[1])
     batch = dummy_batch(runner, rows, tokens)
     analysis = runner.compile_step(batch).memory_analysis()
     if analysis is None:
         return 0
-    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+    outputs = max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+    return int(analysis.temp_size_in_bytes + outputs)
 
 
 @dataclasses.dataclass(frozen=True)

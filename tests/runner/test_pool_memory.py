@@ -13,7 +13,7 @@ from hybridserve.config import CacheConfig, ConfigError, EngineConfig
 from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.parallel import make_mesh
 from hybridserve.runner import factory
-from hybridserve.runner.memory import device_budget
+from hybridserve.runner.memory import activation_bytes, device_budget
 from hybridserve.runner.programs import dummy_batch
 
 SETTINGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_prefill_chunk=64)
@@ -43,6 +43,8 @@ def test_pool_sized_by_the_budget_less_the_activations(monkeypatch):
     )
     cap = 2 * 4 * sum(pages_per_request(plan, 256, 64)) + 1
     assert runner.num_pages == max(2, min(fit, cap)) and fit < cap  # the budget binds
+    # the regions are donated: a larger pool does not count as more activations
+    assert activation_bytes(runner, 4, 64) == sizing.activation_bytes
     rows = runner.regions[0].shape[1]
     assert rows == runner.num_pages * runner.layout.page_rows
     logits, _ = runner.run(dummy_batch(runner, 2, 16))  # the resized pool steps
