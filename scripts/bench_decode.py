@@ -3,7 +3,7 @@
 
 One run, one device:
   1. Copy bandwidth: a jitted elementwise pass over --copy-mib MiB (read + write), 20 calls
-     back to back (as the forward is timed), best of 3; BW = 2 * bytes / time. Every floor
+     back to back (as the forward is timed), best of 5; BW = 2 * bytes / time. Every floor
      below divides by this BW.
   2. For each --backend in turn (default: xla, then pallas; "xla,OP=pallas" takes one op from
      another backend), the model (a --shape from scripts/random_models.py with dummy bf16
@@ -40,7 +40,6 @@ import math
 import pstats
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -53,32 +52,9 @@ from hybridserve.config import CacheConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
+from bench_state_step import best_time, copy_bandwidth  # noqa: E402
 from decode_cost import NOT_IN_DECODE, decode_bytes  # noqa: E402
 from trace_summary import kernel_times  # noqa: E402
-
-
-def copy_bandwidth(mib: int, repeats: int = 20) -> float:
-    """Bytes/s of a device copy (read + write counted) of `mib` MiB: `repeats` copies back to
-    back, best of 3 such loops, timed as the forward is (a copy synchronised one at a time
-    adds the launch and the wait to each and read 3.7-4.0 TB/s on an H200 where back to back
-    reads 4.25)."""
-    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    step = jax.jit(lambda a: a + 1.0)
-    return 2 * x.nbytes / time_calls(lambda: step(x), repeats)
-
-
-def time_calls(fn, steps: int, repeats: int = 3) -> float:
-    """Seconds per call of `fn()` (returns arrays), `steps` calls back to back, best of
-    `repeats`."""
-    jax.block_until_ready(fn())
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = fn()
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / steps)
-    return best
 
 
 def matmul_program(params: nnx.State, batch: int):
@@ -142,9 +118,9 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
     sync_s = None
     if engine.overlapped:  # the same engine one step at a time first (no step in flight yet)
         engine.overlapped = False
-        sync_s = time_calls(lambda: (engine.step(), jnp.zeros(()))[1], args.steps)
+        sync_s = best_time(lambda: (engine.step(), jnp.zeros(()))[1], args.steps, repeats=3)
         engine.overlapped = True
-    engine_s = time_calls(lambda: (engine.step(), jnp.zeros(()))[1], args.steps)
+    engine_s = best_time(lambda: (engine.step(), jnp.zeros(()))[1], args.steps, repeats=3)
     runner.run = run
     if args.profile_engine:  # where the host time of a step goes
         profile = cProfile.Profile()
@@ -152,9 +128,9 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
         print(f"engine steps at batch {b}, host profile over {args.steps} steps:")
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     batch = captured[-1]
-    forward_s = time_calls(lambda: runner.run(batch)[0], args.steps)
+    forward_s = best_time(lambda: runner.run(batch)[0], args.steps, repeats=3)
     kernels, kernel_ms = count_kernels(lambda: runner.run(batch)[0], args, f"{args.tag}_b{b}")
-    matmul_s = time_calls(matmul_program(runner.params, b), args.steps)
+    matmul_s = best_time(matmul_program(runner.params, b), args.steps, repeats=3)
     for r in ids:
         engine.abort_request(r)
     cost = decode_bytes(runner.cfg, runner.plan, runner.params, b, args.context)
@@ -215,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = jax.devices()[0]
     print(f"device: {device.platform} {device.device_kind}", flush=True)
-    args.bandwidth = copy_bandwidth(args.copy_mib)
+    args.bandwidth = copy_bandwidth(args.copy_mib * 2**20, 20)
     print(f"copy bandwidth (read + write): {args.bandwidth / 1e12:.3f} TB/s", flush=True)
     rows = []
     result = {

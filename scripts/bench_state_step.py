@@ -44,6 +44,9 @@ def best_time(fn, iters: int, repeats: int = 5) -> float:
 
 
 def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Bytes/s of a device copy (read + write counted) of `nbytes`: `iters` copies back to
+    back, best of 5 such loops, as the benchmarks time their ops (a copy synchronised one at
+    a time adds the launch and the wait to each: 3.7-4.0 TB/s on an H200 against 4.25)."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     step = jax.jit(lambda a: a + 1.0)
     return 2 * x.nbytes / best_time(lambda: step(x), iters)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -32,40 +33,31 @@ from hybridserve.config import CacheConfig
 from hybridserve.weights.loader import abstract_model, read_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_state_step import best_time, copy_bandwidth  # noqa: E402
 from decode_cost import decode_bytes, weight_bytes  # noqa: E402
-
-_MEASURE = """
-import json, time, jax, jax.numpy as jnp
-gpu = jax.default_backend() == "gpu"
-n, mib, dt = (8192, 4096, jnp.bfloat16) if gpu else (1024, 64, jnp.float32)
-def best(f, *a, reps=10):
-    f(*a).block_until_ready()
-    out = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            r = f(*a)
-        r.block_until_ready()
-        out = min(out, (time.perf_counter() - t) / reps)
-    return out
-k = jax.random.split(jax.random.key(0))
-a, b = (jax.random.normal(x, (n, n), dt) for x in k)
-x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-print(json.dumps({
-    "matmul_flop_s": 2 * n**3 / best(jax.jit(jnp.matmul), a, b),
-    "copy_bytes_s": 2 * x.nbytes / best(jax.jit(lambda v: v + 1.0), x, reps=20),
-    "device": jax.devices()[0].device_kind,
-}))
-"""
 
 
 def ceilings(env: dict[str, str] | None = None) -> dict:
     """{"matmul_flop_s", "copy_bytes_s", "device"} measured in a subprocess (`env`: its
-    environment, e.g. the GPU it may use)."""
+    environment, e.g. the GPU it may use): this script run as a program."""
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE], capture_output=True, text=True, env=env, check=True
+        [sys.executable, __file__], capture_output=True, text=True, env=env, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure() -> dict:
+    """The ceilings on this process's device: a bf16 matmul of 8192^3 and a copy of 4 GiB,
+    back to back (float32 1024^3 and 64 MiB on a CPU)."""
+    gpu = jax.default_backend() == "gpu"
+    n, mib, dtype = (8192, 4096, jnp.bfloat16) if gpu else (1024, 64, jnp.float32)
+    a, b = (jax.random.normal(k, (n, n), dtype) for k in jax.random.split(jax.random.key(0)))
+    matmul = jax.jit(jnp.matmul)
+    return {
+        "matmul_flop_s": 2 * n**3 / best_time(lambda: matmul(a, b), 10, repeats=3),
+        "copy_bytes_s": copy_bandwidth(mib * 2**20, 20),
+        "device": jax.devices()[0].device_kind,
+    }
 
 
 class WorkloadBound:
@@ -88,3 +80,7 @@ class WorkloadBound:
         step_s = decode_bytes(self.cfg, self.plan, self.params, c, context).total
         step_s /= ceil["copy_bytes_s"]
         return gpus * c * output_len / (c * prefill_s + output_len * step_s)
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure()))

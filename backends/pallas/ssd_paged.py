@@ -125,11 +125,15 @@ def mamba2_step_paged(
     page_rows: int,
 ) -> tuple[jax.Array, jax.Array]:
     args = (region, pages, fresh, x, dt, a, b, c, d, state_offset, page_rows)
-    # Measured on an H200 (Nano-9B-v2 layer, BENCHMARKS.md): while the grid is small, larger
-    # tiles (batch 8: 4096 elements at 0.50 of the copy bandwidth, 2048 at 0.36); once it is
-    # large, smaller ones (batch 64: 2048 at 0.81, 4096 at 0.72).
-    tile = TILE if x.shape[0] * x.shape[1] < 4096 else TILE // 2
-    return mamba2_step_paged_tiled(*args, tile=tile)
+    return mamba2_step_paged_tiled(*args, tile=_tile(x.shape[0] * x.shape[1]))
+
+
+def _tile(programs: int) -> int:
+    """State elements per program for `programs` (row, head) pairs. Measured on an H200
+    (Nano-9B-v2 layer, BENCHMARKS.md): while the grid is small, larger tiles (batch 8: 4096
+    elements at 0.50 of the copy bandwidth, 2048 at 0.36); once it is large, smaller ones
+    (batch 64: 2048 at 0.81, 4096 at 0.72)."""
+    return TILE if programs < 4096 else TILE // 2
 
 
 def mamba2_step_paged_tiled(
@@ -188,8 +192,6 @@ def step_packed(
     says) and a as `a_log` (a = -exp(a_log)): no slice, no dt or a kernel before it; it gives
     back y * silu(z), z from `cols` too. shape = (Hs, P, G, Ns). Returns the gated y
     [B, Hs, P] in xbc's dtype and the region."""
-    nh = shape[0]
-    tile = TILE if xbc.shape[0] * nh < 4096 else TILE // 2
     flat = (xbc, cols, a_log, xbc, xbc, d)
     return _launch(
         region,
@@ -201,7 +203,7 @@ def step_packed(
         page_rows,
         packed,
         dt_bias,
-        tile=tile,
+        tile=_tile(xbc.shape[0] * shape[0]),
         num_warps=4,
     )
 
