@@ -7,7 +7,8 @@ For an input u [B, T, D]:
   a = -exp(A_log)
   s_t = exp(dt_t a) s_{t-1} + dt_t (x_t outer b_t);  y_t = s_t c_t + D x_t   (per head)
   out = W_out (gated_group_rmsnorm(y, z))                      (norm of y * silu(z) per group)
-Prefill runs the chunked SSD scan from the carried state; one-token decode runs the recurrent
+Prefill runs the chunked SSD scan from the carried state (the rows of a packed prefill that
+continue one sequence are joined by `layers.mamba2_chain`); one-token decode runs the recurrent
 update. The input projection is loaded as five kernels (the checkpoint loader splits HF's fused
 `in_proj`), which the runner merges into one per-rank kernel (`merge_projections`,
 `layers.merged`): one GEMM per step.
@@ -36,6 +37,7 @@ from hybridserve.cache.mamba_view import (
 )
 from hybridserve.config import MambaConfig
 from hybridserve.layers.linear import Einsum, param
+from hybridserve.layers.mamba2_chain import add_inflow, carry_conv, chain_states
 from hybridserve.layers.mamba2_decode import decode_fused, decode_ranks, step_in_place
 from hybridserve.layers.merged import MergedProjection, merge_per_rank
 from hybridserve.layers.step_input import StepInput
@@ -189,11 +191,13 @@ class Mamba2(nnx.Module):
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         page_rows = inputs.layout.page_rows
         fresh = inputs.fresh  # a row at position 0 starts from zero state (the page is reused)
+        chained = inputs.continues is not None and t > 1  # packed prefill: `mamba2_chain`
         if paged:
             x_st, b_st, c_st, conv_rows = read_conv(region, acc, tp, pages, page_rows)
         else:
             x_st, b_st, c_st, ssm_state, region = read_mamba(region, acc, tp, pages, page_rows)
-            ssm_state = jnp.where(fresh[:, None, None, None], 0, ssm_state)
+            zero = fresh | (inputs.continues > 0) if chained else fresh
+            ssm_state = jnp.where(zero[:, None, None, None], 0, ssm_state)
         states = {
             k: jnp.where(fresh[:, None, None], 0, st)
             for k, st in (("x", x_st), ("b", b_st), ("c", c_st))
@@ -204,6 +208,8 @@ class Mamba2(nnx.Module):
             weight = weight.reshape(-1, weight.shape[-1])
             bias = None if self.conv_bias is None else self.conv_bias[key][...].reshape(-1)
             flat = seq.reshape(bsz, t, -1)
+            if chained:
+                states[key] = carry_conv(flat, states[key], inputs.continues)
             if t == 1:
                 y, states[key] = ops.causal_conv1d_step(
                     flat[:, 0], states[key].astype(flat.dtype), weight, bias, "silu"
@@ -235,6 +241,11 @@ class Mamba2(nnx.Module):
             y, ssm_state = ops.mamba2_scan(
                 xs, dt, a, bs, cs, self.D[...], ssm_state, cfg.chunk_size
             )
+            if chained:
+                cum = jnp.cumsum(dt * a, axis=1)  # [B, T, Hs]
+                inflow, ssm_state = chain_states(ssm_state, jnp.exp(cum[:, -1]), inputs.continues)
+                y = add_inflow(y, cs, cum, inflow)
+                pages = jnp.where(inputs.last, pages, 0)  # one row per sequence stores
         if not paged:
             region = write_mamba(
                 region,

@@ -13,7 +13,7 @@ from hybridserve.cache.view import CacheLayout
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["positions", "lengths", "tables"],
+    data_fields=["positions", "lengths", "tables", "continues"],
     meta_fields=["layout"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +25,16 @@ class StepInput:
     tables:    one array per cache group: attention groups [B, nblk] kernel block ids, Mamba
                groups [B] state pages (padding rows point at the null page 0).
     layout:    the static cache layout.
+    continues: packed prefill (`runner.packed`): [B] int32, row b goes on from row b - 1 (the
+               same sequence, whose earlier rows are full); None: every row is its own
+               sequence.
     """
 
     positions: jax.Array
     lengths: jax.Array
     tables: tuple[jax.Array, ...]
     layout: CacheLayout
+    continues: jax.Array | None = None
 
     @property
     def valid(self) -> jax.Array:
@@ -42,6 +46,13 @@ class StepInput:
     def kv_lengths(self) -> jax.Array:
         """[B] int32: tokens in the cache once this step's tokens are written."""
         return self.positions[:, 0] + self.lengths
+
+    @property
+    def last(self) -> jax.Array:
+        """[B] bool: no later row continues this one (its sequence ends here this step)."""
+        if self.continues is None:
+            return jnp.ones(self.lengths.shape, bool)
+        return jnp.append(self.continues[1:] == 0, True)
 
     @property
     def fresh(self) -> jax.Array:

@@ -10,6 +10,7 @@ from backends.protocol import load_ops
 from hybridserve.cache.plan import make_plan, num_pages_for, pages_per_request
 from hybridserve.config import CacheConfig
 from hybridserve.parallel import make_mesh
+from hybridserve.runner.input_batch import bucket
 from hybridserve.runner.memory import (
     HOST_POOL_BYTES,
     PoolSizing,
@@ -18,6 +19,7 @@ from hybridserve.runner.memory import (
     pool_budget,
 )
 from hybridserve.runner.model_runner import ModelRunner
+from hybridserve.runner.packed import MAX_SEGMENT, SMALLEST_SEGMENT
 from hybridserve.weights.loader import load_model
 
 
@@ -31,6 +33,7 @@ def make_runner(
     max_model_len: int = 2048,
     max_num_seqs: int = 8,
     max_prefill_chunk: int = 256,
+    max_step_tokens: int | None = None,
     progress: bool = False,
     shareable_regions: bool = False,
     load_format: str = "auto",
@@ -39,7 +42,9 @@ def make_runner(
     """Load the model and allocate its cache (`shareable_regions`: see `cache.regions`;
     `load_format="dummy"`: random weights drawn from `seed`, see `weights/dummy.py`). The pool
     is sized for requests computed in chunks of at most `max_prefill_chunk` tokens (the
-    engine's) and, unless the cache config fixes it, by device memory: `runner.memory`."""
+    engine's) and, unless the cache config fixes it, by device memory (`runner.memory`: the
+    largest program computes `max_step_tokens` prompt tokens, default `max_num_seqs` whole
+    chunks)."""
     cache = cache or CacheConfig()
     mesh = make_mesh(tp)
     model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress, load_format, seed)
@@ -54,6 +59,7 @@ def make_runner(
         plan,
         mesh,
         max_model_len=max_len,
+        max_segment=min(MAX_SEGMENT, bucket(max_prefill_chunk, SMALLEST_SEGMENT)),
         shareable_regions=shareable_regions,
     )
     if cache.num_pages is not None or cache.memory_bytes is not None:
@@ -65,7 +71,8 @@ def make_runner(
         runner.resize_pool(size(HOST_POOL_BYTES))
         return runner
     regions = runner.cache_bytes // plan.tensor_parallel_size  # counted in the budget's use
-    activations = activation_bytes(runner, max_num_seqs, max_prefill_chunk)
+    step_tokens = max_step_tokens or max_num_seqs * max_prefill_chunk
+    activations = activation_bytes(runner, max_num_seqs, step_tokens)
     runner.resize_pool(size(pool_budget(budget, activations, regions)))
     runner.pool_sizing = PoolSizing(budget + regions, activations)
     return runner

@@ -51,8 +51,8 @@ def pending_slots(
         return None
     if prev is None or prev.tokens is None:
         raise RuntimeError("a chunk carries a pending token but no step is in flight")
-    width = tokens.shape[1]
-    src = np.array([prev.rows[chunks[i // width].req_id] for i in flat], np.int32)
+    width, owners = tokens.shape[1], batch.chunk_rows()
+    src = np.array([prev.rows[chunks[owners[i // width]].req_id] for i in flat], np.int32)
     n = bucket(flat.size)
     slots = np.full(n, np.iinfo(np.int32).max, np.int32)  # out of bounds: dropped
     slots[: flat.size] = flat

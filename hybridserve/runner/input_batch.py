@@ -36,6 +36,25 @@ class BatchArrays:
     embeds: np.ndarray | None = None  # [B, T, D] float32 multimodal rows, or None
     embed_mask: np.ndarray | None = None  # [B, T] bool: where `embeds` replace tokens
     num_drafts: np.ndarray | None = None  # [B] int32 draft tokens at the end of each row
+    continues: np.ndarray | None = None  # [B] int32: packed prefill, row goes on from row - 1
+    owners: np.ndarray | None = None  # [B] int32: the chunk of each row (-1: padding)
+
+    def chunk_rows(self) -> np.ndarray:
+        """[B] int32: the chunk each row computes (-1 for padding rows)."""
+        if self.owners is not None:
+            return self.owners
+        rows = np.full(self.tokens.shape[0], -1, np.int32)
+        rows[: self.num_rows] = np.arange(self.num_rows)
+        return rows
+
+    def last_rows(self) -> np.ndarray:
+        """[chunks] int32: the row that holds each chunk's last token."""
+        owners = self.chunk_rows()
+        n = int(owners.max()) + 1
+        last = np.zeros(n, np.int32)
+        real = np.flatnonzero(owners >= 0)
+        np.maximum.at(last, owners[real], real.astype(np.int32))
+        return last
 
 
 def table_width(plan: CachePlan, max_model_len: int) -> int:
@@ -52,11 +71,16 @@ def token_buckets(largest: int, smallest: int = 16) -> list[int]:
 
 
 def build_batch(
-    chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, min_tokens: int = 1
+    chunks: list[ScheduledChunk],
+    plan: CachePlan,
+    max_model_len: int,
+    min_tokens: int = 1,
+    rows: int | None = None,
 ) -> BatchArrays:
-    """Pad `chunks` into one batch; attention pages expand to kernel blocks `L*ratio + j`."""
+    """Pad `chunks` into one batch of `rows` rows (default: a power of two); attention pages
+    expand to kernel blocks `L*ratio + j`."""
     n = len(chunks)
-    rows = bucket(n)
+    rows = bucket(n) if rows is None else rows
     t = bucket(max(len(c.token_ids) for c in chunks), min_tokens)
     ratio = plan.ratio
     nblk = table_width(plan, max_model_len)

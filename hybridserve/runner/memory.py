@@ -35,12 +35,13 @@ def device_budget(mesh: Mesh, utilization: float) -> int | None:
     return min(budgets)
 
 
-def activation_bytes(runner: StepRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
+def activation_bytes(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:
     """Temporary and output bytes (less the outputs aliased to donated inputs: the regions)
-    of the largest step program `execute` can run (the most rows times the longest chunk),
-    from its compiled memory analysis (compiled, not run)."""
-    rows, tokens = max(shapes(max_num_seqs, max_prefill_chunk), key=lambda s: s[0] * s[1])
-    batch = dummy_batch(runner, rows, tokens)
+    of the largest step program `execute` can run (the most tokens, for steps of at most
+    `max_tokens` prompt tokens), from its compiled memory analysis (compiled, not run)."""
+    todo = shapes(max_num_seqs, max_tokens, runner.max_segment)
+    rows, tokens, packed = max(todo, key=lambda s: s[0] * s[1])
+    batch = dummy_batch(runner, rows, tokens, packed)
     analysis = runner.compile_step(batch).memory_analysis()
     if analysis is None:
         return 0

@@ -42,6 +42,7 @@ from hybridserve.runner.input_batch import (
     unpack_ints,
 )
 from hybridserve.runner.memory import PoolSizing
+from hybridserve.runner.packed import build_packed
 from hybridserve.runner.programs import warmup
 from hybridserve.runner.request_state import (
     RequestStates,
@@ -86,14 +87,15 @@ class ModelRunner:
         mesh: Mesh,
         num_pages: int,
         max_model_len: int,
-        max_prefill_tokens: int = 256,
+        max_segment: int = 256,
         shareable_regions: bool = False,
     ) -> None:
         if plan.tensor_parallel_size != mesh.shape["tp"]:
             raise ValueError("the cache plan and the mesh disagree on the TP size")
         self.cfg, self.plan, self.mesh = cfg, plan, mesh
         self.num_pages, self.max_model_len = num_pages, max_model_len
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_segment = max_segment  # packed prefill rows: `runner.packed`
+        self.prefill_tokens = [0, 0]  # real and computed (padded) prompt tokens so far
         self.pool_sizing: PoolSizing | None = None  # set when the pool is sized by memory
         self.layout = dataclasses.replace(build_layout(cfg, plan), mesh=mesh)
         model.prepare(mesh)  # merged projections; at TP 1 rows for the fused path
@@ -113,7 +115,7 @@ class ModelRunner:
         self._step = jax.jit(
             self._forward,
             donate_argnums=(1,),
-            static_argnames=("shapes", "n_logits", "keep_hidden"),
+            static_argnames=("shapes", "n_logits", "keep_hidden", "chained"),
             out_shardings=(replicated, regions_out),
         )
         self._replicated = replicated
@@ -166,9 +168,11 @@ class ModelRunner:
         shapes: tuple[tuple[int, ...], ...],
         n_logits: int | None,
         keep_hidden: bool,
+        chained: bool = False,
     ) -> tuple[tuple[jax.Array, jax.Array | None], list]:
         tokens, positions, lengths, num_drafts, *tables = unpack_ints(packed, shapes)
-        inputs = StepInput(positions, lengths, tuple(tables), self.layout)
+        continues = tables.pop() if chained else None  # packed prefill: last of the ints
+        inputs = StepInput(positions, lengths, tuple(tables), self.layout, continues)
         model = self._model(leaves)
         # without the hidden states, norm_f runs inside the lm_head (on the picked rows only)
         hidden, regions = model(tokens, inputs, regions, embeds, embed_mask, keep_hidden)
@@ -233,6 +237,7 @@ class ModelRunner:
         with `keep_hidden` the final hidden states [B, T, D]. `fill` = (device tokens, slots,
         rows): pending tokens written into the batch on the device (`inflight`)."""
         mm, ints, shapes = self._pack(batch)
+        chained = batch.continues is not None
         if fill is not None:
             tokens, slots, rows = fill
             ints = self._fill(ints, tokens, jnp.asarray(slots), jnp.asarray(rows))
@@ -244,6 +249,7 @@ class ModelRunner:
             shapes=shapes,
             n_logits=n_logits,
             keep_hidden=keep_hidden,
+            chained=chained,
         )
         return logits, hidden
 
@@ -253,8 +259,9 @@ class ModelRunner:
         drafts = np.zeros(batch.tokens.shape[0], np.int32)
         if batch.num_drafts is not None:
             drafts = batch.num_drafts
+        chained = [] if batch.continues is None else [batch.continues]
         packed, shapes = pack_ints(
-            [batch.tokens, batch.positions, batch.lengths, drafts, *batch.tables]
+            [batch.tokens, batch.positions, batch.lengths, drafts, *batch.tables, *chained]
         )
         # committed and replicated either way: the step program sees one kind of input (an
         # uncommitted host array and a program's output would compile it twice)
@@ -265,7 +272,14 @@ class ModelRunner:
         sizes the pool: `runner.memory`)."""
         mm, ints, shapes = self._pack(batch)
         lowered = self._step.lower(
-            self._leaves, self.regions, ints, *mm, shapes=shapes, n_logits=1, keep_hidden=False
+            self._leaves,
+            self.regions,
+            ints,
+            *mm,
+            shapes=shapes,
+            n_logits=1,
+            keep_hidden=False,
+            chained=batch.continues is not None,
         )
         return lowered.compile()
 
@@ -375,26 +389,41 @@ class ModelRunner:
         got: dict[str, tuple[int, int]] = {}
         sources: list[jax.Array] = []
         passes = []
-        for chunks, min_tokens in ((decode, 1), (prefill, 16)):
+        for chunks in (decode, prefill):
             if not chunks:
                 continue
-            batch = build_batch(chunks, self.plan, self.max_model_len, min_tokens)
+            batch = self._batch(chunks, decode=chunks is decode, packed=not keep_hidden)
             slots = pending_slots(chunks, batch, prev)
             fill = None if slots is None else (prev.tokens, *slots)
             logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden, fill=fill)
             if keep_hidden:
                 passes.append(StepPass(chunks, batch, hidden))
+            last = batch.last_rows()
             for i, c in enumerate(chunks):
                 if c.sample:
-                    got[c.req_id] = (len(sources), i)
+                    got[c.req_id] = (len(sources), int(last[i]))
             sources.append(logits)
         order = [c.req_id for c in out.chunks if c.sample]
         return StepLogits(order, _gather_rows(got, order, sources, n_logits == 1), passes)
 
-    def warmup(self, max_num_seqs: int, max_prefill_chunk: int) -> int:
-        """Compile every program `execute` can need (`runner.programs.warmup`); returns how
-        many."""
-        return warmup(self, max_num_seqs, max_prefill_chunk)
+    def _batch(self, chunks: list[ScheduledChunk], decode: bool, packed: bool) -> BatchArrays:
+        """The batch of one program: decode rows (one token each, with any drafts), or prompt
+        chunks packed into segments (`runner.packed`; unpacked, rows x longest chunk, when a
+        caller needs one row per chunk: the MTP heads read the hidden states by chunk)."""
+        if decode:
+            return build_batch(chunks, self.plan, self.max_model_len)
+        if packed:
+            batch = build_packed(chunks, self.plan, self.max_model_len, self.max_segment)
+        else:
+            batch = build_batch(chunks, self.plan, self.max_model_len, 16)
+        self.prefill_tokens[0] += sum(len(c.token_ids) for c in chunks)
+        self.prefill_tokens[1] += batch.tokens.size
+        return batch
+
+    def warmup(self, max_num_seqs: int, max_tokens: int) -> int:
+        """Compile every program `execute` can need for steps of up to `max_num_seqs` requests
+        and `max_tokens` prompt tokens (`runner.programs.warmup`); returns how many."""
+        return warmup(self, max_num_seqs, max_tokens)
 
     def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
         """All-position logits [T, V] of one chunk (for checks and verification)."""

@@ -1,4 +1,5 @@
-"""The step programs a runner compiles: one per (rows, tokens) bucket that `execute` can need.
+"""The step programs a runner compiles: one per (rows, tokens) bucket that `execute` can need
+(decode rows, and packed prefill rows: `runner.packed`).
 
 `warmup` compiles them all before serving (dummy rows on the null page, so the cache is not
 touched); `dummy_batch` is one such input, which `runner.memory` also compiles (not runs) for
@@ -7,6 +8,7 @@ the largest program's memory analysis.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import jax
@@ -14,6 +16,7 @@ import numpy as np
 
 from hybridserve.cache.plan import CachePlan
 from hybridserve.runner.input_batch import BatchArrays, bucket, table_width, token_buckets
+from hybridserve.runner.packed import packed_shapes
 
 
 class StepRunner(Protocol):
@@ -22,6 +25,7 @@ class StepRunner(Protocol):
 
     plan: CachePlan
     max_model_len: int
+    max_segment: int
     regions: list[jax.Array]
 
     def run(self, batch: BatchArrays) -> Any: ...
@@ -29,35 +33,42 @@ class StepRunner(Protocol):
     def compile_step(self, batch: BatchArrays) -> Any: ...
 
 
-def dummy_batch(runner: StepRunner, rows: int, tokens: int) -> BatchArrays:
-    """`rows` rows of `tokens` tokens, every page the null page."""
+def dummy_batch(runner: StepRunner, rows: int, tokens: int, packed: bool = False) -> BatchArrays:
+    """`rows` rows of `tokens` tokens, every page the null page (`packed`: as a packed prefill
+    program's input, `runner.packed`, no row continuing another)."""
     width = table_width(runner.plan, runner.max_model_len)
     tables = tuple(
         np.zeros((rows, width) if g.spec.holds_tokens else (rows,), np.int32)
         for g in runner.plan.groups
     )
-    return BatchArrays(
+    batch = BatchArrays(
         np.zeros((rows, tokens), np.int32),
         np.tile(np.arange(tokens, dtype=np.int32), (rows, 1)),
         np.full(rows, tokens, np.int32),
         tables,
         rows,
     )
+    if not packed:
+        return batch
+    return dataclasses.replace(
+        batch, continues=np.zeros(rows, np.int32), owners=np.arange(rows, dtype=np.int32)
+    )
 
 
-def shapes(max_num_seqs: int, max_prefill_chunk: int) -> list[tuple[int, int]]:
-    """(rows, tokens) of every program for batches of up to `max_num_seqs` rows and prefill
-    chunks of up to `max_prefill_chunk` tokens: decode (one token) and prefill buckets."""
-    rows = token_buckets(bucket(max_num_seqs), 1)
-    out = [(b, 1) for b in rows]
-    return out + [(b, t) for b in rows for t in token_buckets(max(max_prefill_chunk, 16))]
+def shapes(max_num_seqs: int, max_tokens: int, max_segment: int) -> list[tuple[int, int, bool]]:
+    """(rows, tokens, packed) of every program for batches of up to `max_num_seqs` requests
+    and `max_tokens` prompt tokens a step: decode (one token a row) and packed prefill
+    (`runner.packed`, segments up to `max_segment`)."""
+    decode = [(b, 1, False) for b in token_buckets(bucket(max_num_seqs), 1)]
+    prefill = packed_shapes(max_tokens, max_num_seqs, max_segment)
+    return decode + [(b, t, True) for b, t in prefill]
 
 
-def warmup(runner: StepRunner, max_num_seqs: int, max_prefill_chunk: int) -> int:
+def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:
     """Compile every program `execute` can need (and the page copy); returns how many."""
-    todo = shapes(max_num_seqs, max_prefill_chunk)
-    for b, t in todo:
-        runner.run(dummy_batch(runner, b, t))
+    todo = shapes(max_num_seqs, max_tokens, runner.max_segment)
+    for b, t, packed in todo:
+        runner.run(dummy_batch(runner, b, t, packed))
     runner.copy_pages([(0, 0)])
     jax.block_until_ready(runner.regions)
     return len(todo) + 1

@@ -165,7 +165,7 @@ def test_no_recompilation_after_warmup(hf_checkpoint):
         cache=pool_of(directory),  # TINY's pool: the warmup finds most programs compiled
     )
     runner = llm.engine.runner
-    programs = runner.warmup(4, 32)
+    programs = runner.warmup(4, 64)
     compiled = runner._step._cache_size()
     assert compiled == programs - 1  # every forward program, plus the page-copy one
     params = SamplingParams(temperature=0.8, max_tokens=12, seed=0, ignore_eos=True)

@@ -35,7 +35,7 @@ def test_pool_sized_by_the_budget_less_the_activations(monkeypatch):
     runner = factory.make_runner(str(DEFAULT_MODEL), cache=cache, **SETTINGS)
     sizing = runner.pool_sizing
     assert asked == [0.8] and sizing is not None
-    # the largest program (4 rows x 64 tokens) at least returns its logits [4, 1, V] float32
+    # the largest program (packed rows of 256 prompt tokens) at least returns logits [4, 1, V]
     assert sizing.activation_bytes >= 4 * runner.cfg.vocab_size * 4
     plan = runner.plan
     fit = (sizing.budget_bytes - sizing.activation_bytes) // (
@@ -44,7 +44,7 @@ def test_pool_sized_by_the_budget_less_the_activations(monkeypatch):
     cap = 2 * 4 * sum(pages_per_request(plan, 256, 64)) + 1
     assert runner.num_pages == max(2, min(fit, cap)) and fit < cap  # the budget binds
     # the regions are donated: a larger pool does not count as more activations
-    assert activation_bytes(runner, 4, 64) == sizing.activation_bytes
+    assert activation_bytes(runner, 4, 4 * 64) == sizing.activation_bytes  # 4 whole chunks
     rows = runner.regions[0].shape[1]
     assert rows == runner.num_pages * runner.layout.page_rows
     logits, _ = runner.run(dummy_batch(runner, 2, 16))  # the resized pool steps

@@ -1,0 +1,117 @@
+"""Packed prefill: a step's prompt chunks cut into rows of one segment length.
+
+A prefill program is [rows, S]: every chunk is cut into segments of S tokens (its last one may
+be shorter), each segment one row, so a step costs about its real tokens instead of
+rows x longest chunk. Rows of one chunk follow each other; `continues[i]` says row i goes on
+from row i - 1 (the same sequence). Attention and the per-token layers need nothing more (a
+segment's keys are written to the pages before any row attends); the recurrent layers carry
+their state from row to row (`layers.mamba2_chain`).
+
+S is chosen per step from a short ladder (the cap, and 16 * 4^k below it: few programs to
+compile): the largest whose padded total (`bucket_rows(segments) * S`) stays within
+10% of the real tokens, or else the one that pads least.
+The row count is bucketed finer than powers of two (2^k and 3 * 2^(k-1)), so the padding of a
+full step stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hybridserve.cache.plan import CachePlan
+from hybridserve.core.outputs import ScheduledChunk
+from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch
+
+SMALLEST_SEGMENT = 16
+MAX_SEGMENT = 256  # the default cap (rows of 256 tokens: whole tiles for the prefill kernels)
+PADDING_GOAL = 1.1  # padded / real tokens that a larger segment may cost
+
+
+def bucket_rows(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^(k-1)) that is >= n."""
+    size = bucket(n)
+    if size >= 4 and 3 * size // 4 >= n:
+        return 3 * size // 4
+    return size
+
+
+def segment_rows(lengths: list[int], size: int) -> int:
+    """Rows that chunks of `lengths` tokens take in segments of `size`."""
+    return sum(-(-n // size) for n in lengths)
+
+
+def ladder(cap: int) -> list[int]:
+    """The segment lengths a step may use, largest first: the cap (rounded up to a power of
+    two >= 16) and 16 * 4^k below it."""
+    top = bucket(cap, SMALLEST_SEGMENT)
+    sizes, size = [top], SMALLEST_SEGMENT
+    while size < top:
+        sizes.append(size)
+        size *= 4
+    return sorted(set(sizes), reverse=True)
+
+
+def segment_size(lengths: list[int], cap: int) -> int:
+    """The segment length S for chunks of `lengths` tokens (see the module docstring)."""
+    longest = max(lengths)
+    sizes = [s for s in ladder(cap) if s < longest]
+    sizes = [s for s in ladder(cap) if s >= longest][-1:] + sizes  # one that fits, if any
+    padded = {s: bucket_rows(segment_rows(lengths, s)) * s for s in sizes}
+    allowed = max(PADDING_GOAL * sum(lengths), min(padded.values()))
+    return next(s for s in sizes if padded[s] <= allowed)
+
+
+def _piece(chunk: ScheduledChunk, at: int, size: int) -> ScheduledChunk:
+    """Tokens [at, at + size) of `chunk` as a chunk of their own (samples only at its end)."""
+    ids = chunk.token_ids[at : at + size]
+    mm = None
+    if chunk.mm is not None:
+        offsets, values = chunk.mm
+        keep = [k for k, o in enumerate(offsets) if at <= o < at + len(ids)]
+        if keep:
+            mm = (tuple(offsets[k] - at for k in keep), np.asarray(values)[keep])
+    last = at + len(ids) == len(chunk.token_ids)
+    return dataclasses.replace(
+        chunk, token_ids=ids, start=chunk.start + at, sample=chunk.sample and last, mm=mm
+    )
+
+
+def build_packed(
+    chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, cap: int
+) -> BatchArrays:
+    """The packed batch of prompt chunks (no drafts): rows of S tokens, `continues` and
+    `owners` set (the chunk of each row)."""
+    if any(c.num_drafts for c in chunks):
+        raise ValueError("packed prefill takes no draft tokens")
+    size = segment_size([len(c.token_ids) for c in chunks], cap)
+    pieces, owners, continues = [], [], []
+    for i, chunk in enumerate(chunks):
+        for j, at in enumerate(range(0, len(chunk.token_ids), size)):
+            pieces.append(_piece(chunk, at, size))
+            owners.append(i)
+            continues.append(j > 0)
+    rows = bucket_rows(len(pieces))
+    batch = build_batch(pieces, plan, max_model_len, size, rows=rows)
+    pad = rows - len(pieces)
+    return dataclasses.replace(
+        batch,
+        continues=np.asarray(continues + [False] * pad, np.int32),
+        owners=np.asarray(owners + [-1] * pad, np.int32),
+    )
+
+
+def packed_shapes(max_tokens: int, max_num_seqs: int, cap: int) -> list[tuple[int, int]]:
+    """(rows, S) of every packed program for steps of at most `max_tokens` prompt tokens over
+    at most `max_num_seqs` chunks, segments up to `cap`."""
+    out = []
+    for size in ladder(cap):
+        most = bucket_rows(-(-max_tokens // size) + max_num_seqs)
+        rows = 1
+        while True:
+            out.append((rows, size))
+            if rows >= most:
+                break
+            rows = bucket_rows(rows + 1)
+    return out

@@ -1,0 +1,123 @@
+"""Packed prefill (`runner.packed`, `layers.mamba2_chain`): prompt chunks cut into rows of S
+tokens compute what one row per chunk computes (the unpacked reference: rows x longest chunk),
+on the shipped default model (Mamba2, attention and MoE layers), float32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hybridserve.core.outputs import ScheduledChunk, SchedulerOutput
+from hybridserve.entrypoints import DEFAULT_MODEL
+from hybridserve.runner.factory import make_runner
+from hybridserve.runner.input_batch import build_batch
+from hybridserve.runner.packed import (
+    bucket_rows,
+    build_packed,
+    ladder,
+    packed_shapes,
+    segment_rows,
+    segment_size,
+)
+
+TOL = dict(rtol=2e-4, atol=2e-4)  # float32; the joined scan rounds in another order
+
+
+def test_row_buckets_and_the_segment_ladder():
+    assert [bucket_rows(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert ladder(256) == [256, 64, 16] and ladder(32) == [32, 16] and ladder(10) == [16]
+    # one long chunk: the cap; a long and two short ones: 6 rows of 64 or 24 rows of 16 (20
+    # rows, bucketed) pad alike, so the longer rows; 256 would pad 2.6x
+    assert segment_size([1024], 256) == 256
+    assert segment_size([256, 20, 20], 256) == 64
+    assert segment_size([5], 256) == 16 and segment_size([60], 256) == 64
+    assert segment_size([40], 256) == 16  # 3 rows of 16 pad 1.2x, one of 64 1.6x
+    for lengths in ([1000, 24, 300], [7, 9, 13], [256] * 8, [129, 1, 1]):
+        size = segment_size(lengths, 256)
+        padded = bucket_rows(segment_rows(lengths, size)) * size
+        best = min(bucket_rows(segment_rows(lengths, s)) * s for s in ladder(256))
+        assert padded <= max(1.1 * sum(lengths), best)
+
+
+def _chunk(req: str, ids: list[int], start: int, tables) -> ScheduledChunk:
+    return ScheduledChunk(req, tuple(ids), start, tables, True)
+
+
+def test_build_packed_cuts_chunks_into_rows():
+    runner = _runner()
+    tables = runner.scratch_tables(80)
+    chunks = [_chunk("a", list(range(1, 41)), 8, tables), _chunk("b", [5] * 3, 0, tables)]
+    batch = build_packed(chunks, runner.plan, runner.max_model_len, 16)
+    assert batch.tokens.shape == (4, 16)  # 40 tokens: 3 rows, 3 tokens: 1 row
+    assert batch.continues.tolist() == [0, 1, 1, 0]
+    assert batch.owners.tolist() == [0, 0, 0, 1] and batch.last_rows().tolist() == [2, 3]
+    assert batch.positions[:, 0].tolist() == [8, 24, 40, 0]
+    assert batch.lengths.tolist() == [16, 16, 8, 3]
+    assert batch.tokens[2, :8].tolist() == list(range(33, 41))
+    with pytest.raises(ValueError, match="draft"):
+        build_packed([dataclasses.replace(chunks[0], num_drafts=2)], runner.plan, 512, 16)
+    # every program a step can need is among the warmup's shapes
+    shapes = packed_shapes(64, 4, 32)
+    for lengths in ([32, 32], [1, 1, 1, 1], [32, 17, 9, 6], [20]):
+        size = segment_size(lengths, 32)
+        assert (bucket_rows(segment_rows(lengths, size)), size) in shapes
+
+
+_RUNNER = []
+
+
+def _runner():
+    if not _RUNNER:
+        _RUNNER.append(
+            make_runner(
+                str(DEFAULT_MODEL),
+                dtype="float32",
+                max_model_len=512,
+                max_num_seqs=4,
+                max_prefill_chunk=256,
+            )
+        )
+    return _RUNNER[0]
+
+
+def test_packed_prefill_equals_one_row_per_chunk():
+    """Two steps on two disjoint sets of pages: packed with 16-token rows (chained Mamba
+    states across up to 5 rows, chunks that continue cached states) and unpacked. The
+    sampled rows' logits agree, and so does a decode step after them (states and KV)."""
+    runner = _runner()
+    rng = np.random.default_rng(0)
+    steps = [
+        [("a", 0, 40), ("b", 0, 23)],
+        [("a", 40, 70), ("b", 23, 7), ("c", 0, 37)],  # continue cached states; a new one
+    ]
+    prompts = {r: rng.integers(2, runner.cfg.vocab_size, 200).tolist() for r in "abc"}
+    tables = {}
+    page = 1
+    for side in ("packed", "rows"):
+        for req in "abc":
+            tables[side, req] = runner.scratch_tables(200, page)
+            page = max(p for t in tables[side, req] for p in t) + 1
+    runner.max_segment = 16
+    try:
+        got = {}
+        for step in steps:
+            for side in ("packed", "rows"):
+                chunks = [_chunk(r, prompts[r][s : s + n], s, tables[side, r]) for r, s, n in step]
+                out = runner.compute_logits(
+                    SchedulerOutput(tuple(chunks)), keep_hidden=side == "rows"
+                )
+                got[side] = np.asarray(out.logits)[: len(chunks), 0]
+            np.testing.assert_allclose(got["packed"], got["rows"], **TOL)
+        ends = {r: s + n for r, s, n in steps[1]}
+        for side in ("packed", "rows"):
+            chunks = [
+                ScheduledChunk(r, (prompts[r][ends[r]],), ends[r], tables[side, r], True)
+                for r in "abc"
+            ]
+            batch = build_batch(chunks, runner.plan, runner.max_model_len)
+            got[side] = np.asarray(runner.run(batch)[0])[:3, 0]
+        np.testing.assert_allclose(got["packed"], got["rows"], **TOL)
+    finally:
+        runner.max_segment = 256
