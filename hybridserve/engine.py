@@ -321,7 +321,8 @@ class LLMEngine:
         return self._forget_finished(outputs)
 
     def stats(self) -> dict[str, float]:
-        """Scheduler and cache statistics (queue sizes, cache usage, prefix-cache hit rate)."""
+        """Scheduler and cache statistics (queue sizes, cache usage, prefix-cache hit rate;
+        prompt tokens computed and the program slots they took, padding included)."""
         s = self.scheduler
         stats = {"num_running": s.num_running, "num_waiting": s.num_waiting, "cache_usage": s.usage}
         prefix = s.prefix_cache_stats
@@ -330,6 +331,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_hit_rate=prefix.hit_rate,
             num_preemptions=s.num_preemptions,
+            prefill_tokens=self.runner.prefill_tokens[0],
+            prefill_tokens_padded=self.runner.prefill_tokens[1],
         )
         pool = s.coordinator.pool  # page 0 is the null page
         stats.update(num_pages_total=pool.num_pages - 1, num_pages_used=pool.num_used)

@@ -21,6 +21,9 @@ One run, one device:
      and the bytes the step must move (`scripts/decode_cost.py`): weights (embedding rows,
      MoE expert coverage), KV at the context, Mamba state read + write, each reported apart.
   Ratios are time / floor; the acceptance bound at batch 1 is forward <= 1.15 x floor.
+  4. A prefill-only step of --prefill-rows prompts of --context tokens (one engine step, packed
+     as the engine packs it), timed as a program, against `matmul_program` for its tokens
+     (the GEMMs alone): "prefill" in the JSON.
 
     # the H200 numbers in BENCHMARKS.md (about 4 minutes, most of it the first compile)
     python scripts/bench_decode.py --shape nano-9b-v2 --batch 1 8 64 --context 1024 \\
@@ -154,6 +157,36 @@ def bench_batch(llm: LLM, b: int, args: argparse.Namespace) -> dict:
     }
 
 
+def bench_prefill(llm: LLM, args: argparse.Namespace) -> dict:
+    """One prefill-only step of --prefill-rows prompts of --context tokens (packed prefill, as
+    the engine schedules it) against the matmul-only program for as many tokens."""
+    engine, runner = llm.engine, llm.engine.runner
+    rng = np.random.default_rng(1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    prompts = [rng.integers(3, vocab, args.context).tolist() for _ in range(args.prefill_rows)]
+    ids = [engine.add_request(p, params) for p in prompts]
+    captured = []
+    run = runner.run
+    runner.run = lambda batch, *a, **k: (captured.append(batch), run(batch, *a, **k))[1]
+    engine.step()  # the whole prefill in one step (the token budget holds it)
+    runner.run = run
+    for r in ids:
+        engine.abort_request(r)
+    batch = max(captured, key=lambda b: b.tokens.size)
+    real = int(batch.lengths.sum())
+    step_s = best_time(lambda: runner.run(batch)[0], max(3, args.steps // 5), repeats=3)
+    matmul_s = best_time(matmul_program(runner.params, real), 3, repeats=3)
+    return {
+        "prompt_tokens": real,
+        "program_rows": batch.tokens.shape[0],
+        "program_tokens": batch.tokens.size,
+        "prefill_ms": 1e3 * step_s,
+        "matmul_only_ms": 1e3 * matmul_s,
+        "prefill_over_matmul": step_s / matmul_s,
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = random_models.model_parser(__doc__)
     add = parser.add_argument
@@ -163,6 +196,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--copy-mib", type=int, default=4096, help="copy-bandwidth buffer (default 4096 MiB)")
     add("--cache-gib", type=float, default=48, help="cache pool GiB (default 48; capped by need)")
     add("--prefill-tokens", type=int, default=8192, help="tokens per prefill step (8192)")
+    add(
+        "--prefill-rows",
+        type=int,
+        default=8,
+        help="time one prefill step of this many --context prompts against its matmuls (8; 0: "
+        "none)",
+    )
     add(
         "--backend",
         nargs="+",
@@ -212,8 +252,13 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=args.dtype,
                 backend=backend,
                 max_model_len=args.context + 4 * args.steps + 64,
-                max_num_seqs=max(args.max_num_seqs, *args.batch),
-                max_num_batched_tokens=max(args.prefill_tokens, args.max_num_seqs, *args.batch),
+                max_num_seqs=max(args.max_num_seqs, args.prefill_rows, *args.batch),
+                max_num_batched_tokens=max(
+                    args.prefill_tokens,
+                    args.max_num_seqs,
+                    args.prefill_rows * args.context,
+                    *args.batch,
+                ),
                 max_prefill_chunk=args.context,
                 cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
                 enable_prefix_caching=False,
@@ -225,6 +270,12 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append({"backend": backend, **bench_batch(llm, b, args)})
                 print(json.dumps(rows[-1]), flush=True)
                 if args.json:  # after every row: a run cut short keeps what it measured
+                    args.json.write_text(json.dumps(result, indent=2))
+            if args.prefill_rows:
+                prefill = {"backend": backend, **bench_prefill(llm, args)}
+                result.setdefault("prefill", []).append(prefill)
+                print(json.dumps(prefill), flush=True)
+                if args.json:
                     args.json.write_text(json.dumps(result, indent=2))
             del llm  # free its weights and pool before the next backend's
             gc.collect()

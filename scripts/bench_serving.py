@@ -23,6 +23,8 @@ the programs the timed pass needs). Per (workload, deployment, C):
   tok/s/user       = median over requests of (tokens - 1) / (last token - first token)
   TTFT             = first token - send (percentiles), ITL = gaps between a request's tokens
                      (percentiles over all gaps); token times come from the engine processes.
+  prefill padding  = the slots of the prefill programs / the prompt tokens they computed
+                     (packed prefill: `runner.packed`), over the timed pass.
 
     # one H200, colocated, both workloads (benchmarks/h200/serving.json)
     python scripts/bench_serving.py --shape nano-9b-v2 --gpus 1 --modes colocated \\
@@ -79,6 +81,7 @@ def engine_kwargs(model: str, args: argparse.Namespace, tp: int) -> dict:
         "max_model_len": max(i + o for i, o in args.workloads) + 16,
         "max_num_seqs": max(args.concurrency),
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_prefill_tokens": args.max_num_prefill_tokens,
         "max_prefill_chunk": min(max(i for i, _ in args.workloads), args.max_num_batched_tokens),
         "enable_prefix_caching": False,
         "load_format": "auto" if args.model else "dummy",
@@ -112,6 +115,20 @@ class Deployment:
     def close(self) -> None:
         for worker in self.workers:
             worker.stop()
+
+    def prefill_tokens(self) -> tuple[int, int]:
+        """Prompt tokens the workers' prefill programs computed so far, and the slots those
+        programs had (padding included): `LLMEngine.stats`."""
+        real = padded = 0
+        for w, worker in enumerate(self.workers):
+            worker.send({"op": "stats"})
+            while (message := worker.recv(60.0)) is not None and "stats" not in message:
+                pass
+            if message is None:
+                raise RuntimeError(f"{self.mode} worker {w} sent no statistics")
+            real += message["stats"]["prefill_tokens"]
+            padded += message["stats"]["prefill_tokens_padded"]
+        return real, padded
 
     def run(self, prompts: list[list[int]], concurrency: int, output_len: int) -> list[dict]:
         """Closed loop over `prompts` with `concurrency` in flight; one record per request:
@@ -237,6 +254,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     add("--num-prompts", type=int, help="requests per level (default 4 x C, at least 16)")
     add("--max-num-batched-tokens", type=int, default=8192)
+    add(
+        "--max-num-prefill-tokens",
+        type=int,
+        help="prompt tokens per step, all requests together (default: the engine's)",
+    )
     add("--cache-gib", type=float, default=40, help="cache pool GiB per rank (default 40)")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     add("--json", type=Path, help="write every level's numbers here")
@@ -295,9 +317,13 @@ def main(argv: list[str] | None = None) -> dict:
                     n = args.num_prompts or max(16, 4 * c)
                     prompts = [rng.integers(3, vocab, i).tolist() for _ in range(n)]
                     deployment.run(prompts[: 2 * c], c, o)  # warmup: compiles
+                    before = deployment.prefill_tokens()
                     records = deployment.run(prompts, c, o)
+                    after = deployment.prefill_tokens()
                     row = {"mode": mode, "concurrency": c, "input_len": i, "output_len": o}
                     row |= {"gpus": deployment.gpus} | summarise(records, deployment.gpus)
+                    real, padded = after[0] - before[0], after[1] - before[1]
+                    row["prefill_padding"] = padded / max(real, 1)
                     gpus = deployment.gpus  # the bound per GPU, as the throughput
                     row["bound_tok_s"] = bound.tokens_per_s(ceil, i, o, c, gpus) / gpus
                     row["of_bound"] = row["output_tok_s_per_gpu"] / row["bound_tok_s"]
@@ -329,7 +355,7 @@ def _print_table(rows: list[dict]) -> None:
     print(
         f"{'mode':>13} {'in/out':>10} {'C':>4} {'reqs':>5} {'tok/s/GPU':>10} {'bound':>8} "
         f"{'of bound':>8} {'tok/s/user':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-        f"{'ITL p99':>8}"
+        f"{'ITL p99':>8} {'padding':>7}"
     )
     for r in rows:
         print(
@@ -337,7 +363,7 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['requests']:>5} {r['output_tok_s_per_gpu']:>10.1f} {r['bound_tok_s']:>8.1f} "
             f"{r['of_bound']:>8.2f} {r['tokens_per_s_per_user']:>10.1f} "
             f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
-            f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}"
+            f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f} {r['prefill_padding']:>7.2f}"
         )
 
 

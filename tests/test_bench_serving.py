@@ -33,6 +33,8 @@ def test_both_deployments_serve_the_sweep(tmp_path: Path) -> None:
         assert r["bound_tok_s"] > 0 and r["of_bound"] == pytest.approx(rate / r["bound_tok_s"])
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+        # 4 prompts of 16 tokens, in any grouping: rows of 16, bucketed to 1, 2, 3 or 4 rows
+        assert 1.0 <= r["prefill_padding"] <= 4 / 3
     assert json.loads(out.read_text())["rows"] == rows
     plot = tmp_path / "s-16-4.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -66,3 +66,8 @@ def test_bench_decode_reports_consistent_rows(tmp_path: Path) -> None:
     rows = result["rows"]
     assert rows[1]["state_bytes"] == 2 * rows[0]["state_bytes"]
     assert rows[1]["kv_bytes"] == 2 * rows[0]["kv_bytes"]
+    (prefill,) = result["prefill"]  # 8 prompts of 16 tokens in one packed step
+    assert prefill["prompt_tokens"] == 8 * 16 and prefill["program_tokens"] == 8 * 16
+    assert prefill["prefill_over_matmul"] == pytest.approx(
+        prefill["prefill_ms"] / prefill["matmul_only_ms"]
+    )

@@ -38,6 +38,14 @@ ENGINE_FLAGS = (
         ("auto", "xla", "pallas", "torch"),
     ),
     EngineFlag(
+        ("--load-format",),
+        "load_format",
+        "auto reads the checkpoint's weights; dummy draws random ones (config.json only: "
+        "benchmarks of a model's shape)",
+        str,
+        ("auto", "dummy"),
+    ),
+    EngineFlag(
         ("--tensor-parallel-size", "-tp"), "tensor_parallel_size", "devices to shard the model over"
     ),
     EngineFlag(("--max-model-len",), "max_model_len", "longest prompt + output in tokens"),

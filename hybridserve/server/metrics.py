@@ -7,7 +7,8 @@ from the request's arrival), prompt and generated tokens (counters: tokens/s is
 
 Read from the engine's latest statistics at scrape time (`AsyncEngine.stats()`): queue depth,
 running and waiting requests, cache usage and pages, prefix-cache hit rate and tokens,
-preemptions and, on a P/D instance, KV transfer bytes, failures, GB/s and held requests.
+preemptions, prompt tokens computed and their padded slots (packed prefill) and, on a P/D
+instance, KV transfer bytes, failures, GB/s and held requests.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ _COUNTERS = (
     ("prefix_cache_queried_tokens", "prefix_cache_queried_tokens", "Prompt tokens looked up"),
     ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
     ("num_preemptions", "preemptions", "Requests preempted for lack of pages"),
+    ("prefill_tokens", "prefill_tokens", "Prompt tokens computed by prefill programs"),
+    ("prefill_tokens_padded", "prefill_tokens_padded", "Their program slots, padding included"),
     ("transfer_bytes", "kv_transfer_bytes", "KV cache and state bytes transferred"),
     ("transfer_failures", "kv_transfer_failures", "KV transfers that failed"),
 )
