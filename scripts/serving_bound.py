@@ -18,6 +18,7 @@ never holds the GPU.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +39,17 @@ from decode_cost import decode_bytes, weight_bytes  # noqa: E402
 
 
 def ceilings(env: dict[str, str] | None = None) -> dict:
-    """{"matmul_flop_s", "copy_bytes_s", "device"} measured in a subprocess (`env`: its
-    environment, e.g. the GPU it may use): this script run as a program."""
+    """{"matmul_flop_s", "copy_bytes_s", "device"} measured in a subprocess (`env`: variables
+    set over this process's environment, e.g. the GPU it may use): this script run as a
+    program."""
     out = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=env, check=True
+        [sys.executable, __file__],
+        capture_output=True,
+        text=True,
+        env=os.environ | (env or {}),
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the ceilings failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
