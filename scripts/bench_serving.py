@@ -14,7 +14,7 @@ run on CPU devices (a check of the machinery, not a measurement).
 Workloads (--workloads IN/OUT ..., default 1024/128, prefill-heavy, and 1024/1024,
 decode-heavy): random prompts of IN tokens, OUT tokens each (greedy, EOS ignored), closed
 loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in all
-(default 4 * C, at least 16), after a warmup pass of 2 * C of them at the same C (it compiles
+(default --waves * C, at least 8), after a warmup pass of C of them at the same C (it compiles
 the programs the timed pass needs). Per (workload, deployment, C):
   output tok/s/GPU = output tokens / (last finish - first send) / GPUs used
   bound tok/s      = the workload's roofline bound per GPU (`serving_bound`: prefill FLOPs
@@ -252,7 +252,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="IN/OUT prompt and output tokens (default 1024/128 1024/1024)",
     )
     add("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    add("--num-prompts", type=int, help="requests per level (default 4 x C, at least 16)")
+    add("--num-prompts", type=int, help="requests per level (default --waves x C, at least 8)")
+    add("--waves", type=int, default=4, help="requests per level in units of C (default 4)")
     add("--max-num-batched-tokens", type=int, default=8192)
     add(
         "--max-num-prefill-tokens",
@@ -269,6 +270,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--gpus must be a multiple of --colocated-tp")
     if "disaggregated" in args.modes and args.prefill_tp + args.decode_tp != args.gpus:
         parser.error("--prefill-tp + --decode-tp must equal --gpus (the same GPUs per mode)")
+    if args.waves < 1:
+        parser.error("--waves must be >= 1")
     if min(o for _, o in args.workloads) < 2 or min(args.concurrency) < 1:
         parser.error("every workload's OUT must be >= 2 and every concurrency >= 1")
     return args
@@ -314,9 +317,9 @@ def main(argv: list[str] | None = None) -> dict:
             deployment = Deployment(mode, model, args, on_gpu)
             try:
                 for (i, o), c in itertools.product(args.workloads, args.concurrency):
-                    n = args.num_prompts or max(16, 4 * c)
+                    n = args.num_prompts or max(8, args.waves * c)
                     prompts = [rng.integers(3, vocab, i).tolist() for _ in range(n)]
-                    deployment.run(prompts[: 2 * c], c, o)  # warmup: compiles
+                    deployment.run(prompts[:c], c, o)  # warmup: compiles
                     before = deployment.prefill_tokens()
                     records = deployment.run(prompts, c, o)
                     after = deployment.prefill_tokens()
