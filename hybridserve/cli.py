@@ -18,6 +18,7 @@ from hybridserve.server.flags import (
     add_proxy_parser,
     check_http_args,
     engine_kwargs,
+    gpu_serve_defaults,
 )
 
 
@@ -108,9 +109,14 @@ def _serve(args: argparse.Namespace) -> int:
     from hybridserve.server.app import ServerSettings
 
     names = args.served_model_name or [args.model_arg or "default"]
+    given = engine_kwargs(args)
+    import jax
+
+    if jax.default_backend() in ("gpu", "cuda"):
+        given |= gpu_serve_defaults(given)
     engine_config = EngineConfig.from_kwargs(
         model,
-        **engine_kwargs(args),
+        **given,
         **engine_kwargs(args, SERVE_ENGINE_FLAGS),
         kv_transfer_config=kv_transfer,
     )

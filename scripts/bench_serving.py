@@ -14,7 +14,7 @@ run on CPU devices (a check of the machinery, not a measurement).
 Workloads (--workloads IN/OUT ..., default 1024/128, prefill-heavy, and 1024/1024,
 decode-heavy): random prompts of IN tokens, OUT tokens each (greedy, EOS ignored), closed
 loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in all
-(default --waves * C, at least 8), after a warmup pass of C of them at the same C (it compiles
+(default --waves * C, at least 8), after a warmup pass of 2 * C of them at the same C (it compiles
 the programs the timed pass needs). Per (workload, deployment, C):
   output tok/s/GPU = output tokens / (last finish - first send) / GPUs used
   bound tok/s      = the workload's roofline bound per GPU (`serving_bound`: prefill FLOPs
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for (i, o), c in itertools.product(args.workloads, args.concurrency):
                     n = args.num_prompts or max(8, args.waves * c)
                     prompts = [rng.integers(3, vocab, i).tolist() for _ in range(n)]
-                    deployment.run(prompts[:c], c, o)  # warmup: compiles
+                    deployment.run(prompts[: 2 * c], c, o)  # warmup: compiles
                     before = deployment.prefill_tokens()
                     records = deployment.run(prompts, c, o)
                     after = deployment.prefill_tokens()

@@ -75,10 +75,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching. Each step computes at most `max_num_batched_tokens` tokens over at
     most `max_num_seqs` requests; one request's prefill chunk is at most `max_prefill_chunk`,
-    and all prompt chunks of a step together at most `max_num_prefill_tokens` (None: the
-    budget). `decode_first`: every running decode gets its token before any prompt chunk, the
-    prompts take what is left (vLLM's chunked prefill), so prefill never stalls decoding;
-    False takes the running requests in arrival order, a prompt chunk possibly first.
+    and all prompt chunks of a step that also decodes together at most `max_num_prefill_tokens`
+    (None: the budget; a step without decodes takes the whole budget). `decode_first`: every
+    running decode gets its token before any prompt chunk, the prompts take what is left
+    (vLLM's chunked prefill), so prefill never stalls decoding; False takes the running
+    requests in arrival order, a prompt chunk possibly first.
     Prefix caching shares computed prefixes at a granularity of `prefix_unit` tokens (None: the
     largest divisor of the attention block that is a kernel-block multiple <= 256).
     `max_held_fraction`: the most of the pool that finished P/D prefill requests may hold for

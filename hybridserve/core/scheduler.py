@@ -2,8 +2,9 @@
 preemption by recompute.
 
 Each `schedule()` builds one step under a token budget (`max_num_batched_tokens`), a budget
-for all prompt chunks together (`max_num_prefill_tokens`) and a seat limit (`max_num_seqs`
-running requests):
+for all prompt chunks together while any running request decodes (`max_num_prefill_tokens`:
+the decodes' inter-token latency stays bounded; a step of prompts alone takes the whole
+budget) and a seat limit (`max_num_seqs` running requests):
   1. Running requests: with `decode_first` (the default) every decoding request first, in
      arrival order, 1 token each (plus its drafts), then those still reading their prompt, a
      chunk of `min(remaining, max_prefill_chunk, budgets left)` tokens each; without it, all
@@ -136,7 +137,10 @@ class Scheduler(RemoteKV):
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update_from_output()")
         budget = self.config.max_num_batched_tokens
-        prompt_budget = self.config.max_num_prefill_tokens or budget  # prompt chunks together
+        # prompt chunks together: capped while requests decode (their next token waits for the
+        # step); a step of prompts alone takes the whole budget
+        decodes = any(self._decoding(r) for r in self.running)
+        prompt_budget = (decodes and self.config.max_num_prefill_tokens) or budget
         chunks: list[ScheduledChunk] = []
         done: set[str] = set()  # scheduled in this step
         preempted = False

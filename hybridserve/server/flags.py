@@ -49,13 +49,26 @@ ENGINE_FLAGS = (
         ("--tensor-parallel-size", "-tp"), "tensor_parallel_size", "devices to shard the model over"
     ),
     EngineFlag(("--max-model-len",), "max_model_len", "longest prompt + output in tokens"),
-    EngineFlag(("--max-num-seqs",), "max_num_seqs", "requests decoded together"),
-    EngineFlag(("--max-num-batched-tokens",), "max_num_batched_tokens", "tokens computed per step"),
-    EngineFlag(("--max-prefill-chunk",), "max_prefill_chunk", "prompt tokens per request and step"),
+    EngineFlag(
+        ("--max-num-seqs",),
+        "max_num_seqs",
+        "requests decoded together (serve on GPUs: 256)",
+    ),
+    EngineFlag(
+        ("--max-num-batched-tokens",),
+        "max_num_batched_tokens",
+        "tokens computed per step (serve on GPUs: 8192)",
+    ),
+    EngineFlag(
+        ("--max-prefill-chunk",),
+        "max_prefill_chunk",
+        "prompt tokens per request and step (serve on GPUs: 2048)",
+    ),
     EngineFlag(
         ("--max-num-prefill-tokens",),
         "max_num_prefill_tokens",
-        "prompt tokens per step, all requests together (default: the step's budget)",
+        "prompt tokens per step, all requests together, while requests decode (None: the "
+        "step's budget; serve on GPUs: 640)",
     ),
     EngineFlag(
         ("--no-decode-first",),
@@ -145,6 +158,27 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """The `EngineConfig.from_kwargs` keywords of the `flags` given on the command line."""
     return {f.key: getattr(args, f.key) for f in flags if getattr(args, f.key) is not None}
+
+
+# `serve` on a GPU: the scheduler settings a user leaves out are sized for serving many
+# requests (as vLLM's API server sizes its own), not the CPU-sized `SchedulerConfig` defaults.
+# The prompt cap keeps the decodes' inter-token latency within about 3x a decode step while
+# prompts stream in (issue 24: measured on an H200 with the 9B shape, BENCHMARKS.md).
+GPU_SERVE_DEFAULTS = {
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "max_prefill_chunk": 2048,
+    "max_num_prefill_tokens": 640,
+}
+
+
+def gpu_serve_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """`GPU_SERVE_DEFAULTS` for the keys not in `given` (the flags given), the number of
+    requests never above a given per-step token budget."""
+    out = {k: v for k, v in GPU_SERVE_DEFAULTS.items() if k not in given}
+    if "max_num_seqs" in out and "max_num_batched_tokens" in given:
+        out["max_num_seqs"] = min(out["max_num_seqs"], given["max_num_batched_tokens"])
+    return out
 
 
 def check_http_args(args: argparse.Namespace) -> None:

@@ -336,7 +336,8 @@ def test_abort_a_running_request_between_steps():
 @pytest.mark.parametrize("decode_first", [True, False])
 def test_decodes_first_and_the_prompt_tokens_cap(decode_first):
     """Decode first: the running decodes lead the step and the prompts share what is left,
-    at most max_num_prefill_tokens; in arrival order the same step leads with the prompts."""
+    at most max_num_prefill_tokens while anything decodes (a step of prompts alone takes the
+    whole budget); in arrival order the same step leads with the prompts."""
     config = make_config(
         max_num_batched_tokens=40,
         max_prefill_chunk=16,
@@ -349,19 +350,21 @@ def test_decodes_first_and_the_prompt_tokens_cap(decode_first):
     prompts = {"r0": list(range(1, 41)), "r1": list(range(2, 42)), "r2": [5, 6, 7, 8]}
     for req_id, prompt in prompts.items():
         s.add_request(make_request(req_id, prompt, max_tokens=30))
-    out, _ = run_step(s, runner)  # r0 takes 16 of the 20 prompt tokens, r1 the other 4
-    assert spans(out) == [("r0", 0, 16, False), ("r1", 0, 4, False)]
-    out, _ = run_step(s, runner)
-    assert spans(out) == [("r0", 16, 16, False), ("r1", 4, 4, False)]
-    while not any(c.req_id == "r2" for c in out.chunks):
+    out, _ = run_step(s, runner)  # nothing decodes yet: prompts alone, the whole budget
+    assert spans(out) == [("r0", 0, 16, False), ("r1", 0, 16, False), ("r2", 0, 4, True)]
+    out, _ = run_step(s, runner)  # r2 decodes: r0 takes 16 of the 20 prompt tokens, r1 4
+    decodes = [c.req_id for c in out.chunks if len(c.token_ids) == 1]
+    assert decodes == ["r2"]
+    prompt_spans = [span for span in spans(out) if span[0] != "r2"]
+    assert prompt_spans == [("r0", 16, 16, False), ("r1", 16, 4, False)]
+    if decode_first:
+        assert out.chunks[0].req_id == "r2"
+    else:
+        assert out.chunks[-1].req_id == "r2"
+    while any(len(c.token_ids) > 1 for c in out.chunks):  # until the prompts are read
         out, _ = run_step(s, runner)
         assert sum(len(c.token_ids) for c in out.chunks) <= 40
-    out, _ = run_step(s, runner)  # r2 decodes; the others still read their prompts
-    decodes = [c.req_id for c in out.chunks if len(c.token_ids) == 1]
-    prompt_tokens = sum(len(c.token_ids) for c in out.chunks if c.req_id not in decodes)
-    assert "r2" in decodes and prompt_tokens <= 20
-    if decode_first:
-        assert [c.req_id for c in out.chunks][: len(decodes)] == decodes
+        assert sum(len(c.token_ids) for c in out.chunks if len(c.token_ids) > 1) <= 20
     finished = drain(s, runner)
     assert sorted(r.req_id for r in finished) == ["r0", "r1", "r2"]
     for r in finished:

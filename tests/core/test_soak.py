@@ -47,7 +47,8 @@ def check_policy(scheduler: Scheduler, out, decoding: set[str]) -> None:
     assert len(sizes) == len(out.chunks)
     assert sum(sizes.values()) <= config.max_num_batched_tokens
     prompts = sum(n for r, n in sizes.items() if r not in decoding)
-    assert prompts <= (config.max_num_prefill_tokens or config.max_num_batched_tokens)
+    cap = config.max_num_prefill_tokens if decoding else None  # prompts alone: the budget
+    assert prompts <= (cap or config.max_num_batched_tokens)
     assert all(n <= config.max_prefill_chunk for r, n in sizes.items() if r not in decoding)
     assert len(scheduler.running) <= config.max_num_seqs
     if config.decode_first:
