@@ -55,8 +55,9 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_prefill_chunk=config.scheduler.max_prefill_chunk,
-            max_step_tokens=config.scheduler.max_num_prefill_tokens
-            or config.scheduler.max_num_batched_tokens,
+            # a step of prompts alone may fill the whole budget (the prompt cap holds beside
+            # decodes only)
+            max_step_tokens=config.scheduler.max_num_batched_tokens,
             progress=progress,
             shareable_regions=config.kv_transfer is not None,  # a connector exports them
             load_format=config.load_format,
