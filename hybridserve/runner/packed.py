@@ -9,9 +9,10 @@ their state from row to row (`layers.mamba2_chain`).
 
 S is chosen per step from a short ladder (the cap, and 16 * 4^k below it: few programs to
 compile): the largest whose padded total (`bucket_rows(segments) * S`) stays within
-10% of the real tokens, or else the one that pads least.
-The row count is bucketed finer than powers of two (2^k and 3 * 2^(k-1)), so the padding of a
-full step stays small.
+10% of the real tokens, or else the one that pads least, among those that keep the rows within
+`row_limit` (each row carries a recurrent state).
+The row count is bucketed finer than powers of two (four steps an octave), so the padding of
+a full step stays small.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch
 
 SMALLEST_SEGMENT = 16
 MAX_SEGMENT = 256  # the default cap (rows of 256 tokens: whole tiles for the prefill kernels)
+FEW_ROWS = 64  # rows any step may take (`row_limit`)
 PADDING_GOAL = 1.1  # padded / real tokens that a larger segment may cost
 
 
 def bucket_rows(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^(k-1)) that is >= n."""
-    size = bucket(n)
-    if size >= 4 and 3 * size // 4 >= n:
-        return 3 * size // 4
-    return size
+    """n rounded up to four steps an octave: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...
+    (the smallest multiple of p / 4 that is >= n, p the largest power of two below n)."""
+    if n <= 4:
+        return max(n, 1)
+    step = bucket(n) // 8  # p / 4, with p = bucket(n) / 2
+    return -(-n // step) * step
 
 
 def segment_rows(lengths: list[int], size: int) -> int:
@@ -53,11 +56,20 @@ def ladder(cap: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
+def row_limit(lengths: list[int], cap: int) -> int:
+    """The most rows a step of chunks of `lengths` may take: twice the rows of the longest
+    segment (the fewest possible), or `FEW_ROWS`. Every row carries its own recurrent state
+    through the Mamba layers (several [rows, heads, P, N] float32 arrays a layer: 5 MB a row
+    for the 9B shape), so shorter segments may not multiply the rows."""
+    return max(FEW_ROWS, 2 * bucket_rows(segment_rows(lengths, ladder(cap)[0])))
+
+
 def segment_size(lengths: list[int], cap: int) -> int:
     """The segment length S for chunks of `lengths` tokens (see the module docstring)."""
-    longest = max(lengths)
+    longest, limit = max(lengths), row_limit(lengths, cap)
     sizes = [s for s in ladder(cap) if s < longest]
     sizes = [s for s in ladder(cap) if s >= longest][-1:] + sizes  # one that fits, if any
+    sizes = [s for s in sizes if segment_rows(lengths, s) <= limit]
     padded = {s: bucket_rows(segment_rows(lengths, s)) * s for s in sizes}
     allowed = max(PADDING_GOAL * sum(lengths), min(padded.values()))
     return next(s for s in sizes if padded[s] <= allowed)
@@ -104,10 +116,11 @@ def build_packed(
 
 def packed_shapes(max_tokens: int, max_num_seqs: int, cap: int) -> list[tuple[int, int]]:
     """(rows, S) of every packed program for steps of at most `max_tokens` prompt tokens over
-    at most `max_num_seqs` chunks, segments up to `cap`."""
+    at most `max_num_seqs` chunks, segments up to `cap` (`row_limit` bounds the rows)."""
+    limit = max(FEW_ROWS, 2 * bucket_rows(max_num_seqs + -(-max_tokens // ladder(cap)[0])))
     out = []
     for size in ladder(cap):
-        most = bucket_rows(-(-max_tokens // size) + max_num_seqs)
+        most = min(limit, bucket_rows(-(-max_tokens // size) + max_num_seqs))
         rows = 1
         while True:
             out.append((rows, size))

@@ -18,6 +18,7 @@ from hybridserve.runner.packed import (
     build_packed,
     ladder,
     packed_shapes,
+    row_limit,
     segment_rows,
     segment_size,
 )
@@ -26,12 +27,17 @@ TOL = dict(rtol=2e-4, atol=2e-4)  # float32; the joined scan rounds in another o
 
 
 def test_row_buckets_and_the_segment_ladder():
-    assert [bucket_rows(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert [bucket_rows(n) for n in range(1, 14)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14]
+    assert [bucket_rows(n) for n in (17, 33, 65, 129, 300)] == [20, 40, 80, 160, 320]
     assert ladder(256) == [256, 64, 16] and ladder(32) == [32, 16] and ladder(10) == [16]
-    # one long chunk: the cap; a long and two short ones: 6 rows of 64 or 24 rows of 16 (20
-    # rows, bucketed) pad alike, so the longer rows; 256 would pad 2.6x
+    # one long chunk: the cap; a long and two short ones: 20 rows of 16 pad 1.08x (6 of 64:
+    # 1.3x, 3 of 256: 2.6x)
     assert segment_size([1024], 256) == 256
-    assert segment_size([256, 20, 20], 256) == 64
+    assert segment_size([256, 20, 20], 256) == 16
+    # the rows stay within row_limit: 200 chunks of 20 tokens and one of 4000 in rows of 16
+    # would pad least (650 rows, 650 states), rows of 64 take 263 (of 256: 216)
+    lengths = [20] * 200 + [4000]
+    assert row_limit(lengths, 256) == 448 and segment_size(lengths, 256) == 64
     assert segment_size([5], 256) == 16 and segment_size([60], 256) == 64
     assert segment_size([40], 256) == 16  # 3 rows of 16 pad 1.2x, one of 64 1.6x
     for lengths in ([1000, 24, 300], [7, 9, 13], [256] * 8, [129, 1, 1]):
