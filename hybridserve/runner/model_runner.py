@@ -6,8 +6,9 @@ Lifecycle:
      view of its region.
   2. `add_request` gives a request its sampling state (settings, PRNG key, tokens so far).
   3. `execute(scheduler_output)` applies the page copies (prefix-cache restores, Mamba
-     snapshots), then runs the decode rows (one token each) and the prefill rows (padded chunks)
-     as separate bucketed programs (`compute_logits`), samples the rows that end at their last
+     snapshots), then runs the decode rows (one token each) and the prompt chunks (packed into
+     rows of one segment length: `runner.packed`) as separate bucketed programs
+     (`compute_logits`, `runner.logit_rows`), samples the rows that end at their last
      known token, and returns their tokens (with speculation, verified drafts; `propose` then
      gives the next drafts, which the scheduler keeps).
   4. Every program takes the regions donated and returns them updated, so their device buffers
@@ -17,7 +18,6 @@ Lifecycle:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +34,8 @@ from hybridserve.core.request import MultimodalInput
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.runner.inflight import InFlight, fill_pending, pending_slots
-from hybridserve.runner.input_batch import (
-    BatchArrays,
-    bucket,
-    build_batch,
-    pack_ints,
-    unpack_ints,
-)
+from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch, pack_ints, unpack_ints
+from hybridserve.runner.logit_rows import gather_rows
 from hybridserve.runner.memory import PoolSizing
 from hybridserve.runner.packed import build_packed
 from hybridserve.runner.programs import warmup
@@ -53,27 +48,6 @@ from hybridserve.runner.request_state import (
 from hybridserve.runner.sampler import draw, fetch, sample_requests
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
-
-
-@functools.partial(jax.jit, static_argnames=("squeeze",))
-def _take_rows(sources: list[jax.Array], rows: jax.Array, squeeze: bool) -> jax.Array:
-    picked = jnp.concatenate(sources, axis=0)[rows]
-    return picked[:, 0] if squeeze else picked
-
-
-def _gather_rows(
-    got: dict[str, tuple[int, int]], order: list[str], sources: list[jax.Array], squeeze: bool
-) -> jax.Array | None:
-    """The rows of `order` from the programs' logits, padded to a power of two (the padding
-    repeats the first row), so that a few shapes serve every batch; `squeeze` drops axis 1
-    (one logit per row) in the same program."""
-    if not order:
-        return None
-    offsets = np.cumsum([0] + [s.shape[0] for s in sources])
-    rows = np.zeros(bucket(len(order)), np.int32)
-    rows[: len(order)] = [offsets[got[r][0]] + got[r][1] for r in order]
-    rows[len(order) :] = rows[0]
-    return _take_rows(sources, jnp.asarray(rows), squeeze)
 
 
 class ModelRunner:
@@ -404,7 +378,7 @@ class ModelRunner:
                     got[c.req_id] = (len(sources), int(last[i]))
             sources.append(logits)
         order = [c.req_id for c in out.chunks if c.sample]
-        return StepLogits(order, _gather_rows(got, order, sources, n_logits == 1), passes)
+        return StepLogits(order, gather_rows(got, order, sources, n_logits == 1), passes)
 
     def _batch(self, chunks: list[ScheduledChunk], decode: bool, packed: bool) -> BatchArrays:
         """The batch of one program: decode rows (one token each, with any drafts), or prompt
