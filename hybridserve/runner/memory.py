@@ -37,16 +37,19 @@ def device_budget(mesh: Mesh, utilization: float) -> int | None:
 
 def activation_bytes(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:
     """Temporary and output bytes (less the outputs aliased to donated inputs: the regions)
-    of the largest step program `execute` can run (the most tokens, for steps of at most
-    `max_tokens` prompt tokens), from its compiled memory analysis (compiled, not run)."""
+    of the largest step programs `execute` can run for steps of at most `max_tokens` prompt
+    tokens: the one with the most token slots and the one with the most rows (each row
+    carries a Mamba state), from their compiled memory analyses (compiled, not run)."""
     todo = shapes(max_num_seqs, max_tokens, runner.max_segment)
-    rows, tokens, packed = max(todo, key=lambda s: s[0] * s[1])
-    batch = dummy_batch(runner, rows, tokens, packed)
-    analysis = runner.compile_step(batch).memory_analysis()
-    if analysis is None:
-        return 0
-    outputs = max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
-    return int(analysis.temp_size_in_bytes + outputs)
+    largest = {max(todo, key=lambda s: s[0] * s[1]), max(todo, key=lambda s: (s[0], s[1]))}
+    peak = 0
+    for rows, tokens, packed in largest:
+        analysis = runner.compile_step(dummy_batch(runner, rows, tokens, packed)).memory_analysis()
+        if analysis is None:
+            continue
+        outputs = max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+        peak = max(peak, int(analysis.temp_size_in_bytes + outputs))
+    return peak
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,22 +57,32 @@ def ladder(cap: int) -> list[int]:
 
 
 def row_limit(lengths: list[int], cap: int) -> int:
-    """The most rows a step of chunks of `lengths` may take: twice the rows of the longest
-    segment (the fewest possible), or `FEW_ROWS`. Every row carries its own recurrent state
-    through the Mamba layers (several [rows, heads, P, N] float32 arrays a layer: 5 MB a row
-    for the 9B shape), so shorter segments may not multiply the rows."""
-    return max(FEW_ROWS, 2 * bucket_rows(segment_rows(lengths, ladder(cap)[0])))
+    """The most rows a step of chunks of `lengths` may take: twice what the longest segment
+    needs at most (a partial row per chunk besides the whole ones), or `FEW_ROWS`. Every row
+    carries its own recurrent state through the Mamba layers (several [rows, heads, P, N]
+    float32 arrays a layer: 5 MB a row for the 9B shape), so short segments may not multiply
+    the rows."""
+    whole = -(-sum(lengths) // ladder(cap)[0])
+    return max(FEW_ROWS, 2 * bucket_rows(len(lengths) + whole))
+
+
+def token_limit(lengths: list[int], cap: int) -> int:
+    """The most token slots (padding included) a step of chunks of `lengths` may take: twice
+    its tokens, 20 a chunk and one segment more (rows of 16 always fit)."""
+    return 2 * sum(lengths) + 20 * len(lengths) + ladder(cap)[0]
 
 
 def segment_size(lengths: list[int], cap: int) -> int:
     """The segment length S for chunks of `lengths` tokens (see the module docstring)."""
-    longest, limit = max(lengths), row_limit(lengths, cap)
+    longest, rows, slots = max(lengths), row_limit(lengths, cap), token_limit(lengths, cap)
     sizes = [s for s in ladder(cap) if s < longest]
     sizes = [s for s in ladder(cap) if s >= longest][-1:] + sizes  # one that fits, if any
-    sizes = [s for s in sizes if segment_rows(lengths, s) <= limit]
     padded = {s: bucket_rows(segment_rows(lengths, s)) * s for s in sizes}
-    allowed = max(PADDING_GOAL * sum(lengths), min(padded.values()))
-    return next(s for s in sizes if padded[s] <= allowed)
+    fit = [s for s in sizes if segment_rows(lengths, s) <= rows and padded[s] <= slots]
+    if not fit:  # the fewest slots among the row-bounded (the longest segment always is)
+        return min((s for s in sizes if segment_rows(lengths, s) <= rows), key=padded.get)
+    allowed = max(PADDING_GOAL * sum(lengths), min(padded[s] for s in fit))
+    return next(s for s in fit if padded[s] <= allowed)
 
 
 def _piece(chunk: ScheduledChunk, at: int, size: int) -> ScheduledChunk:
@@ -116,13 +126,17 @@ def build_packed(
 
 def packed_shapes(max_tokens: int, max_num_seqs: int, cap: int) -> list[tuple[int, int]]:
     """(rows, S) of every packed program for steps of at most `max_tokens` prompt tokens over
-    at most `max_num_seqs` chunks, segments up to `cap` (`row_limit` bounds the rows)."""
-    limit = max(FEW_ROWS, 2 * bucket_rows(max_num_seqs + -(-max_tokens // ladder(cap)[0])))
+    at most `max_num_seqs` chunks, segments up to `cap`: within the step's `row_limit` and
+    `token_limit` at their largest (a step that fits neither at any S takes the longest
+    segment and may need a program outside these: compiled when met)."""
+    top = ladder(cap)[0]
+    most_rows = max(FEW_ROWS, 2 * bucket_rows(max_num_seqs + -(-max_tokens // top)))
+    most_slots = 2 * max_tokens + 20 * max_num_seqs + top
     out = []
     for size in ladder(cap):
-        most = min(limit, bucket_rows(-(-max_tokens // size) + max_num_seqs))
+        most = min(most_rows, bucket_rows(-(-max_tokens // size) + max_num_seqs))
         rows = 1
-        while True:
+        while rows * size <= most_slots or rows == 1:
             out.append((rows, size))
             if rows >= most:
                 break

@@ -21,6 +21,7 @@ from hybridserve.runner.packed import (
     row_limit,
     segment_rows,
     segment_size,
+    token_limit,
 )
 
 TOL = dict(rtol=2e-4, atol=2e-4)  # float32; the joined scan rounds in another order
@@ -35,9 +36,21 @@ def test_row_buckets_and_the_segment_ladder():
     assert segment_size([1024], 256) == 256
     assert segment_size([256, 20, 20], 256) == 16
     # the rows stay within row_limit: 200 chunks of 20 tokens and one of 4000 in rows of 16
-    # would pad least (650 rows, 650 states), rows of 64 take 263 (of 256: 216)
+    # would pad least (650 rows, 650 states); rows of 64 take 263 (320 bucketed: 20480 slots,
+    # just over token_limit) and of 256 216 (57344 slots): no size fits both limits, so the
+    # fewest slots within the rows
     lengths = [20] * 200 + [4000]
-    assert row_limit(lengths, 256) == 448 and segment_size(lengths, 256) == 64
+    assert row_limit(lengths, 256) == 512 and token_limit(lengths, 256) == 20276
+    assert segment_size(lengths, 256) == 64
+    # over random steps of <= 8192 tokens and <= 256 chunks, the programs stay in the shapes
+    rng = np.random.default_rng(0)
+    shapes = set(packed_shapes(8192, 256, 256))
+    for _ in range(300):
+        lengths = rng.integers(1, int(rng.choice([4, 40, 300, 2048])) + 1, 256)
+        lengths = lengths[np.cumsum(lengths) <= 8192].tolist() or [1]
+        size = segment_size(lengths, 256)
+        rows = bucket_rows(segment_rows(lengths, size))
+        assert rows <= row_limit(lengths, 256) and (rows, size) in shapes
     assert segment_size([5], 256) == 16 and segment_size([60], 256) == 64
     assert segment_size([40], 256) == 16  # 3 rows of 16 pad 1.2x, one of 64 1.6x
     for lengths in ([1000, 24, 300], [7, 9, 13], [256] * 8, [129, 1, 1]):
