@@ -10,7 +10,7 @@ their state from row to row (`layers.mamba2_chain`).
 S is chosen per step from a short ladder (the cap, and 16 * 4^k below it: few programs to
 compile): the largest whose padded total (`bucket_rows(segments) * S`) stays within
 10% of the real tokens, or else the one that pads least, among those that keep the rows within
-`row_limit` (each row carries a recurrent state).
+`row_limit` (each row carries a recurrent state) and the slots within `token_limit`.
 The row count is bucketed finer than powers of two (four steps an octave), so the padding of
 a full step stays small.
 """
@@ -127,8 +127,8 @@ def build_packed(
 def packed_shapes(max_tokens: int, max_num_seqs: int, cap: int) -> list[tuple[int, int]]:
     """(rows, S) of every packed program for steps of at most `max_tokens` prompt tokens over
     at most `max_num_seqs` chunks, segments up to `cap`: within the step's `row_limit` and
-    `token_limit` at their largest (a step that fits neither at any S takes the longest
-    segment and may need a program outside these: compiled when met)."""
+    `token_limit` at their largest (a step that no S fits within both takes the fewest slots
+    within its rows, possibly a program outside these: compiled when met)."""
     top = ladder(cap)[0]
     most_rows = max(FEW_ROWS, 2 * bucket_rows(max_num_seqs + -(-max_tokens // top)))
     most_slots = 2 * max_tokens + 20 * max_num_seqs + top
