@@ -11,8 +11,8 @@ S is chosen per step from a short ladder (the cap, and 16 * 4^k below it: few pr
 compile): the largest whose padded total (`bucket_rows(segments) * S`) stays within
 10% of the real tokens, or else the one that pads least, among those that keep the rows within
 `row_limit` (each row carries a recurrent state) and the slots within `token_limit`.
-The row count is bucketed finer than powers of two (four steps an octave), so the padding of
-a full step stays small.
+The row count is bucketed finer than powers of two past 8 rows (four steps an octave), so the
+padding of a full step stays small.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ PADDING_GOAL = 1.1  # padded / real tokens that a larger segment may cost
 
 
 def bucket_rows(n: int) -> int:
-    """n rounded up to four steps an octave: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...
-    (the smallest multiple of p / 4 that is >= n, p the largest power of two below n)."""
-    if n <= 4:
-        return max(n, 1)
+    """n rounded up to a power of two up to 8 rows (few programs for small steps), then four
+    steps an octave: 1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (the smallest
+    multiple of p / 4 that is >= n, p the largest power of two below n)."""
+    if n <= 8:
+        return bucket(n)
     step = bucket(n) // 8  # p / 4, with p = bucket(n) / 2
     return -(-n // step) * step
 

@@ -28,7 +28,7 @@ TOL = dict(rtol=2e-4, atol=2e-4)  # float32; the joined scan rounds in another o
 
 
 def test_row_buckets_and_the_segment_ladder():
-    assert [bucket_rows(n) for n in range(1, 14)] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14]
+    assert [bucket_rows(n) for n in range(1, 14)] == [1, 2, 4, 4, 8, 8, 8, 8, 10, 10, 12, 12, 14]
     assert [bucket_rows(n) for n in (17, 33, 65, 129, 300)] == [20, 40, 80, 160, 320]
     assert ladder(256) == [256, 64, 16] and ladder(32) == [32, 16] and ladder(10) == [16]
     # one long chunk: the cap; a long and two short ones: 20 rows of 16 pad 1.08x (6 of 64:
@@ -52,7 +52,8 @@ def test_row_buckets_and_the_segment_ladder():
         rows = bucket_rows(segment_rows(lengths, size))
         assert rows <= row_limit(lengths, 256) and (rows, size) in shapes
     assert segment_size([5], 256) == 16 and segment_size([60], 256) == 64
-    assert segment_size([40], 256) == 16  # 3 rows of 16 pad 1.2x, one of 64 1.6x
+    assert segment_size([40], 256) == 64  # 3 rows of 16 bucket to 4: the slots of one of 64
+    assert segment_size([40, 40, 40], 256) == 16  # 9 rows of 16 (10 slots) against 3 of 64
     for lengths in ([1000, 24, 300], [7, 9, 13], [256] * 8, [129, 1, 1]):
         size = segment_size(lengths, 256)
         padded = bucket_rows(segment_rows(lengths, size)) * size
