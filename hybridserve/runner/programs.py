@@ -56,12 +56,14 @@ def dummy_batch(runner: StepRunner, rows: int, tokens: int, packed: bool = False
 
 
 def shapes(max_num_seqs: int, max_tokens: int, max_segment: int) -> list[tuple[int, int, bool]]:
-    """(rows, tokens, packed) of every program for batches of up to `max_num_seqs` requests
+    """(rows, tokens, chained) of every program for batches of up to `max_num_seqs` requests
     and `max_tokens` prompt tokens a step: decode (one token a row) and packed prefill
-    (`runner.packed`, segments up to `max_segment`)."""
+    (`runner.packed`, segments up to `max_segment`), with and without chained rows."""
     decode = [(b, 1, False) for b in token_buckets(bucket(max_num_seqs), 1)]
     prefill = packed_shapes(max_tokens, max_num_seqs, max_segment)
-    return decode + [(b, t, True) for b, t in prefill]
+    # each packed shape with rows that continue others (chained) and without (every chunk in
+    # one row: the program leaves the Mamba chain out)
+    return decode + [(b, t, chained) for b, t in prefill for chained in (True, False)]
 
 
 def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:

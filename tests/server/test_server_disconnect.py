@@ -116,12 +116,15 @@ def test_load_with_early_disconnects(server):
     assert delta(requests, endpoint="/v1/chat/completions", status="200") == chat
     assert delta(requests, endpoint="/v1/completions", status="200") == num_requests - chat
     finished = "hybridserve_requests_finished_total"
-    assert delta(finished, finish_reason="length") == len(completed)
-    assert delta(finished, finish_reason="abort") == left
+    # a leaving client's request is aborted, unless its 240 tokens were all generated before
+    # the server saw the disconnect (a loaded host: seen once in a cold CI run); most are aborted
+    aborted = delta(finished, finish_reason="abort")
+    assert delta(finished, finish_reason="length") == len(completed) + left - aborted
+    assert left / 2 < aborted <= left
     for status in ("429", "500", "503"):
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
             assert delta(requests, endpoint=endpoint, status=status) == 0
     tokens = sum(r["tokens"] for r in completed)
     generated = delta("hybridserve_generation_tokens_total")
-    assert tokens + left <= generated < tokens + 240 * left
+    assert tokens + left <= generated <= tokens + 240 * left
     assert delta("hybridserve_e2e_request_latency_seconds_count") == num_requests
