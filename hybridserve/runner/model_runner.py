@@ -388,8 +388,6 @@ class ModelRunner:
             return build_batch(chunks, self.plan, self.max_model_len)
         if packed:
             batch = build_packed(chunks, self.plan, self.max_model_len, self.max_segment)
-            if not batch.continues.any():  # every chunk in one row: the program without chains
-                batch = dataclasses.replace(batch, continues=None)
         else:
             batch = build_batch(chunks, self.plan, self.max_model_len, 16)
         self.prefill_tokens[0] += sum(len(c.token_ids) for c in chunks)

@@ -104,8 +104,8 @@ def _piece(chunk: ScheduledChunk, at: int, size: int) -> ScheduledChunk:
 def build_packed(
     chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, cap: int
 ) -> BatchArrays:
-    """The packed batch of prompt chunks (no drafts): rows of S tokens, `continues` and
-    `owners` set (the chunk of each row)."""
+    """The packed batch of prompt chunks (no drafts): rows of S tokens, `owners` set (the
+    chunk of each row) and `continues` where a row goes on from another (else None)."""
     if any(c.num_drafts for c in chunks):
         raise ValueError("packed prefill takes no draft tokens")
     size = segment_size([len(c.token_ids) for c in chunks], cap)
@@ -118,10 +118,11 @@ def build_packed(
     rows = bucket_rows(len(pieces))
     batch = build_batch(pieces, plan, max_model_len, size, rows=rows)
     pad = rows - len(pieces)
+    owners_padded = np.asarray(owners + [-1] * pad, np.int32)
+    if not any(continues):  # every chunk in one row: the program without the Mamba chain
+        return dataclasses.replace(batch, owners=owners_padded)
     return dataclasses.replace(
-        batch,
-        continues=np.asarray(continues + [False] * pad, np.int32),
-        owners=np.asarray(owners + [-1] * pad, np.int32),
+        batch, continues=np.asarray(continues + [False] * pad, np.int32), owners=owners_padded
     )
 
 
