@@ -21,9 +21,10 @@ One run, one device:
      and the bytes the step must move (`scripts/decode_cost.py`): weights (embedding rows,
      MoE expert coverage), KV at the context, Mamba state read + write, each reported apart.
   Ratios are time / floor; the acceptance bound at batch 1 is forward <= 1.15 x floor.
-  4. A prefill-only step of --prefill-rows prompts of --context tokens (one engine step, packed
-     as the engine packs it), timed as a program, against `matmul_program` for its tokens
-     (the GEMMs alone): "prefill" in the JSON.
+  4. A prefill-only step of --prefill-rows prompts of --prefill-context (or --context) tokens
+     (one engine step, packed as the engine packs it), timed as a program, against
+     `matmul_program` for its tokens (the GEMMs alone), with its kernels (a profile of 3
+     calls, kept under --trace DIR/<backend>_prefill<R>x<T>): "prefill" in the JSON.
 
     # the H200 numbers in BENCHMARKS.md (about 4 minutes, most of it the first compile)
     python scripts/bench_decode.py --shape nano-9b-v2 --batch 1 8 64 --context 1024 \\
@@ -164,7 +165,8 @@ def bench_prefill(llm: LLM, args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(1)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     vocab = engine.model_config.vocab_size
-    prompts = [rng.integers(3, vocab, args.context).tolist() for _ in range(args.prefill_rows)]
+    length = args.prefill_context or args.context
+    prompts = [rng.integers(3, vocab, length).tolist() for _ in range(args.prefill_rows)]
     ids = [engine.add_request(p, params) for p in prompts]
     captured = []
     run = runner.run
@@ -177,6 +179,8 @@ def bench_prefill(llm: LLM, args: argparse.Namespace) -> dict:
     real = int(batch.lengths.sum())
     step_s = best_time(lambda: runner.run(batch)[0], max(3, args.steps // 5), repeats=3)
     matmul_s = best_time(matmul_program(runner.params, real), 3, repeats=3)
+    name = f"{args.tag}_prefill{args.prefill_rows}x{length}"
+    kernels, kernel_ms = count_kernels(lambda: runner.run(batch)[0], args, name, calls=3)
     return {
         "prompt_tokens": real,
         "program_rows": batch.tokens.shape[0],
@@ -184,6 +188,8 @@ def bench_prefill(llm: LLM, args: argparse.Namespace) -> dict:
         "prefill_ms": 1e3 * step_s,
         "matmul_only_ms": 1e3 * matmul_s,
         "prefill_over_matmul": step_s / matmul_s,
+        "kernels_per_step": kernels,
+        "kernel_ms_per_step": kernel_ms,
     }
 
 
@@ -202,6 +208,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=8,
         help="time one prefill step of this many --context prompts against its matmuls (8; 0: "
         "none)",
+    )
+    add(
+        "--prefill-context",
+        type=int,
+        default=0,
+        help="prompt tokens each of the --prefill-rows prompts (default: --context)",
     )
     add(
         "--backend",
@@ -251,15 +263,15 @@ def main(argv: list[str] | None = None) -> dict:
                 str(model),
                 dtype=args.dtype,
                 backend=backend,
-                max_model_len=args.context + 4 * args.steps + 64,
+                max_model_len=max(args.context, args.prefill_context) + 4 * args.steps + 64,
                 max_num_seqs=max(args.max_num_seqs, args.prefill_rows, *args.batch),
                 max_num_batched_tokens=max(
                     args.prefill_tokens,
                     args.max_num_seqs,
-                    args.prefill_rows * args.context,
+                    args.prefill_rows * max(args.context, args.prefill_context),
                     *args.batch,
                 ),
-                max_prefill_chunk=args.context,
+                max_prefill_chunk=max(args.context, args.prefill_context),
                 cache=CacheConfig(memory_bytes=int(args.cache_gib * 2**30)),
                 enable_prefix_caching=False,
                 async_scheduling=args.async_scheduling,

@@ -19,7 +19,7 @@ from hybridserve.runner.memory import (
     pool_budget,
 )
 from hybridserve.runner.model_runner import ModelRunner
-from hybridserve.runner.packed import MAX_SEGMENT, SMALLEST_SEGMENT
+from hybridserve.runner.packed import MAX_SEGMENT, SMALLEST_SEGMENT, PackLimits
 from hybridserve.weights.loader import load_model
 
 
@@ -52,6 +52,8 @@ def make_runner(
     plan = make_plan(cfg, cache, tp, dtype_name)
     max_len = min(max_model_len, cfg.max_position_embeddings)
     size = functools.partial(num_pages_for, plan, cache, max_num_seqs, max_len, max_prefill_chunk)
+    step_tokens = max_step_tokens or max_num_seqs * max_prefill_chunk
+    segment = min(MAX_SEGMENT, bucket(max_prefill_chunk, SMALLEST_SEGMENT))
     make = functools.partial(
         ModelRunner,
         model,
@@ -59,7 +61,7 @@ def make_runner(
         plan,
         mesh,
         max_model_len=max_len,
-        max_segment=min(MAX_SEGMENT, bucket(max_prefill_chunk, SMALLEST_SEGMENT)),
+        pack_limits=PackLimits.for_steps(step_tokens, segment),
         shareable_regions=shareable_regions,
     )
     if cache.num_pages is not None or cache.memory_bytes is not None:
@@ -71,7 +73,6 @@ def make_runner(
         runner.resize_pool(size(HOST_POOL_BYTES))
         return runner
     regions = runner.cache_bytes // plan.tensor_parallel_size  # counted in the budget's use
-    step_tokens = max_step_tokens or max_num_seqs * max_prefill_chunk
     activations = activation_bytes(runner, max_num_seqs, step_tokens)
     runner.resize_pool(size(pool_budget(budget, activations, regions)))
     runner.pool_sizing = PoolSizing(budget + regions, activations)

@@ -38,10 +38,12 @@ def device_budget(mesh: Mesh, utilization: float) -> int | None:
 def activation_bytes(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:
     """Temporary and output bytes (less the outputs aliased to donated inputs: the regions)
     of the largest step programs `execute` can run for steps of at most `max_tokens` prompt
-    tokens: the one with the most token slots and the one with the most rows (each row
-    carries a Mamba state), from their compiled memory analyses (compiled, not run)."""
-    todo = shapes(max_num_seqs, max_tokens, runner.max_segment)
-    largest = {max(todo, key=lambda s: s[0] * s[1]), max(todo, key=lambda s: (s[0], s[1]))}
+    tokens: the one with the most token slots and the prefill program with the most rows (each
+    row carries a Mamba state through the scan), from their compiled memory analyses
+    (compiled, not run)."""
+    todo = shapes(max_num_seqs, max_tokens, runner.pack_limits)
+    prefill = [s for s in todo if s[1] > 1] or todo
+    largest = {max(todo, key=lambda s: s[0] * s[1]), max(prefill, key=lambda s: (s[0], s[1]))}
     peak = 0
     for rows, tokens, packed in largest:
         analysis = runner.compile_step(dummy_batch(runner, rows, tokens, packed)).memory_analysis()

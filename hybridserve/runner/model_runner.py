@@ -37,7 +37,7 @@ from hybridserve.runner.inflight import InFlight, fill_pending, pending_slots
 from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch, pack_ints, unpack_ints
 from hybridserve.runner.logit_rows import gather_rows
 from hybridserve.runner.memory import PoolSizing
-from hybridserve.runner.packed import build_packed
+from hybridserve.runner.packed import MAX_SEGMENT, PackLimits, build_packed, split_chunks
 from hybridserve.runner.programs import warmup
 from hybridserve.runner.request_state import (
     RequestStates,
@@ -61,14 +61,15 @@ class ModelRunner:
         mesh: Mesh,
         num_pages: int,
         max_model_len: int,
-        max_segment: int = 256,
+        pack_limits: PackLimits | None = None,
         shareable_regions: bool = False,
     ) -> None:
         if plan.tensor_parallel_size != mesh.shape["tp"]:
             raise ValueError("the cache plan and the mesh disagree on the TP size")
         self.cfg, self.plan, self.mesh = cfg, plan, mesh
         self.num_pages, self.max_model_len = num_pages, max_model_len
-        self.max_segment = max_segment  # packed prefill rows: `runner.packed`
+        # packed prefill programs: `runner.packed` (default: steps of 8192 tokens, segments of 256)
+        self.pack_limits = pack_limits or PackLimits.for_steps(8192, MAX_SEGMENT)
         self.prefill_tokens = [0, 0]  # real and computed (padded) prompt tokens so far
         self.pool_sizing: PoolSizing | None = None  # set when the pool is sized by memory
         self.layout = dataclasses.replace(build_layout(cfg, plan), mesh=mesh)
@@ -363,10 +364,7 @@ class ModelRunner:
         got: dict[str, tuple[int, int]] = {}
         sources: list[jax.Array] = []
         passes = []
-        for chunks in (decode, prefill):
-            if not chunks:
-                continue
-            batch = self._batch(chunks, decode=chunks is decode, packed=not keep_hidden)
+        for chunks, batch in self._batches(decode, prefill, packed=not keep_hidden):
             slots = pending_slots(chunks, batch, prev)
             fill = None if slots is None else (prev.tokens, *slots)
             logits, hidden = self.run(batch, n_logits, keep_hidden=keep_hidden, fill=fill)
@@ -380,19 +378,28 @@ class ModelRunner:
         order = [c.req_id for c in out.chunks if c.sample]
         return StepLogits(order, gather_rows(got, order, sources, n_logits == 1), passes)
 
-    def _batch(self, chunks: list[ScheduledChunk], decode: bool, packed: bool) -> BatchArrays:
-        """The batch of one program: decode rows (one token each, with any drafts), or prompt
-        chunks packed into segments (`runner.packed`; unpacked, rows x longest chunk, when a
-        caller needs one row per chunk: the MTP heads read the hidden states by chunk)."""
+    def _batches(
+        self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk], packed: bool
+    ) -> list[tuple[list[ScheduledChunk], BatchArrays]]:
+        """The programs of one step, each with its chunks: the decode rows (one token each,
+        with any drafts), then the prompt chunks packed into segments (`runner.packed`: one
+        program, or several when the chunks need more rows or slots than `pack_limits`);
+        unpacked, rows x longest chunk, when a caller needs one row per chunk (the MTP heads
+        read the hidden states by chunk)."""
+        out = []
         if decode:
-            return build_batch(chunks, self.plan, self.max_model_len)
+            out.append((decode, build_batch(decode, self.plan, self.max_model_len)))
+        if not prefill:
+            return out
         if packed:
-            batch = build_packed(chunks, self.plan, self.max_model_len, self.max_segment)
+            for group in split_chunks(prefill, self.pack_limits):
+                batch = build_packed(group, self.plan, self.max_model_len, self.pack_limits)
+                out.append((group, batch))
         else:
-            batch = build_batch(chunks, self.plan, self.max_model_len, 16)
-        self.prefill_tokens[0] += sum(len(c.token_ids) for c in chunks)
-        self.prefill_tokens[1] += batch.tokens.size
-        return batch
+            out.append((prefill, build_batch(prefill, self.plan, self.max_model_len, 16)))
+        self.prefill_tokens[0] += sum(len(c.token_ids) for c in prefill)
+        self.prefill_tokens[1] += sum(b.tokens.size for c, b in out if c is not decode)
+        return out
 
     def warmup(self, max_num_seqs: int, max_tokens: int) -> int:
         """Compile every program `execute` can need for steps of up to `max_num_seqs` requests

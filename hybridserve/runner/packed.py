@@ -9,10 +9,11 @@ their state from row to row (`layers.mamba2_chain`).
 
 S is chosen per step from a short ladder (the cap, and 16 * 4^k below it: few programs to
 compile): the largest whose padded total (`bucket_rows(segments) * S`) stays within
-10% of the real tokens, or else the one that pads least, among those that keep the rows within
-`row_limit` (each row carries a recurrent state) and the slots within `token_limit`.
-The row count is bucketed finer than powers of two past 8 rows (four steps an octave), so the
-padding of a full step stays small.
+10% of the real tokens, or else the one that pads least, among those that keep a program
+within its `PackLimits` (rows: each carries a recurrent state; token slots) and its slots
+within `token_limit`. A step whose chunks fit no program (many short chunks) runs as several
+(`split_chunks`). The row count is bucketed finer than powers of two past 8 rows (four steps
+an octave), so the padding of a full step stays small.
 """
 
 from __future__ import annotations
@@ -27,8 +28,30 @@ from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch
 
 SMALLEST_SEGMENT = 16
 MAX_SEGMENT = 256  # the default cap (rows of 256 tokens: whole tiles for the prefill kernels)
-FEW_ROWS = 64  # rows any step may take (`row_limit`)
+FEW_ROWS = 64  # rows any program may take (more when a step's whole segments need them)
 PADDING_GOAL = 1.1  # padded / real tokens that a larger segment may cost
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLimits:
+    """What one packed program may hold: segments of at most `segment` tokens, at most `rows`
+    rows and `slots` token slots (padding included). These bound a program's activations
+    (each row carries a recurrent state through the Mamba layers: several [rows, heads, P, N]
+    float32 arrays a layer, 5 MB a row for the 9B shape; each slot its token's activations), so
+    the memory profile (`runner.memory`) compiles at most these. A step whose chunks need more
+    runs as several programs (`split_chunks`)."""
+
+    segment: int
+    rows: int
+    slots: int
+
+    @classmethod
+    def for_steps(cls, step_tokens: int, segment: int) -> PackLimits:
+        """Limits for steps of at most `step_tokens` prompt tokens: a full step in rows of the
+        longest segment fits one program, and so do `FEW_ROWS` rows of the shortest."""
+        top = ladder(segment)[0]
+        whole = bucket_rows(-(-step_tokens // top))
+        return cls(segment, max(FEW_ROWS, whole), max(whole * top, FEW_ROWS * SMALLEST_SEGMENT))
 
 
 def bucket_rows(n: int) -> int:
@@ -57,33 +80,55 @@ def ladder(cap: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
-def row_limit(lengths: list[int], cap: int) -> int:
-    """The most rows a step of chunks of `lengths` may take: twice what the longest segment
-    needs at most (a partial row per chunk besides the whole ones), or `FEW_ROWS`. Every row
-    carries its own recurrent state through the Mamba layers (several [rows, heads, P, N]
-    float32 arrays a layer: 5 MB a row for the 9B shape), so short segments may not multiply
-    the rows."""
-    whole = -(-sum(lengths) // ladder(cap)[0])
-    return max(FEW_ROWS, 2 * bucket_rows(len(lengths) + whole))
+def token_limit(lengths: list[int], limits: PackLimits) -> int:
+    """The most token slots (padding included) chunks of `lengths` may take in one program:
+    twice their tokens, 20 a chunk and one segment more (rows of 16 always fit), within
+    `limits.slots`."""
+    loose = 2 * sum(lengths) + 20 * len(lengths) + ladder(limits.segment)[0]
+    return min(loose, limits.slots)
 
 
-def token_limit(lengths: list[int], cap: int) -> int:
-    """The most token slots (padding included) a step of chunks of `lengths` may take: twice
-    its tokens, 20 a chunk and one segment more (rows of 16 always fit)."""
-    return 2 * sum(lengths) + 20 * len(lengths) + ladder(cap)[0]
-
-
-def segment_size(lengths: list[int], cap: int) -> int:
-    """The segment length S for chunks of `lengths` tokens (see the module docstring)."""
-    longest, rows, slots = max(lengths), row_limit(lengths, cap), token_limit(lengths, cap)
-    sizes = [s for s in ladder(cap) if s < longest]
-    sizes = [s for s in ladder(cap) if s >= longest][-1:] + sizes  # one that fits, if any
+def _fitting(lengths: list[int], limits: PackLimits) -> tuple[list[int], dict[int, int]]:
+    """The segment lengths that may pack `lengths` (one that holds the longest chunk in a
+    row, if any, then the shorter ones), and the ones among them within the limits, with their
+    padded slots."""
+    longest = max(lengths)
+    sizes = [s for s in ladder(limits.segment) if s < longest]
+    sizes = [s for s in ladder(limits.segment) if s >= longest][-1:] + sizes
+    slots = token_limit(lengths, limits)
     padded = {s: bucket_rows(segment_rows(lengths, s)) * s for s in sizes}
-    fit = [s for s in sizes if segment_rows(lengths, s) <= rows and padded[s] <= slots]
-    if not fit:  # the fewest slots among the row-bounded (the longest segment always is)
-        return min((s for s in sizes if segment_rows(lengths, s) <= rows), key=padded.get)
-    allowed = max(PADDING_GOAL * sum(lengths), min(padded[s] for s in fit))
-    return next(s for s in fit if padded[s] <= allowed)
+    fit = {
+        s: n for s, n in padded.items() if n <= slots and segment_rows(lengths, s) <= limits.rows
+    }
+    return sizes, fit
+
+
+def fits(lengths: list[int], limits: PackLimits) -> bool:
+    """Chunks of `lengths` tokens fit one program within `limits`."""
+    return bool(_fitting(lengths, limits)[1])
+
+
+def segment_size(lengths: list[int], limits: PackLimits) -> int:
+    """The segment length S for chunks of `lengths` tokens (see the module docstring). Chunks
+    that fit no S within the limits (more than a step's tokens) take the longest segment."""
+    sizes, fit = _fitting(lengths, limits)
+    if not fit:
+        return sizes[0] if sizes[0] >= max(lengths) else ladder(limits.segment)[0]
+    allowed = max(PADDING_GOAL * sum(lengths), min(fit.values()))
+    return next(s for s in sizes if s in fit and fit[s] <= allowed)
+
+
+def split_chunks(chunks: list[ScheduledChunk], limits: PackLimits) -> list[list[ScheduledChunk]]:
+    """`chunks` in order, cut into the fewest consecutive groups that each fit one program
+    within `limits` (one group unless a step has more short chunks than `limits.rows`)."""
+    groups: list[list[ScheduledChunk]] = []
+    for chunk in chunks:
+        grown = groups[-1] + [chunk] if groups else []
+        if grown and fits([len(c.token_ids) for c in grown], limits):
+            groups[-1] = grown
+        else:
+            groups.append([chunk])
+    return groups
 
 
 def _piece(chunk: ScheduledChunk, at: int, size: int) -> ScheduledChunk:
@@ -102,13 +147,14 @@ def _piece(chunk: ScheduledChunk, at: int, size: int) -> ScheduledChunk:
 
 
 def build_packed(
-    chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, cap: int
+    chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, limits: PackLimits
 ) -> BatchArrays:
-    """The packed batch of prompt chunks (no drafts): rows of S tokens, `owners` set (the
-    chunk of each row) and `continues` where a row goes on from another (else None)."""
+    """The packed batch of prompt chunks (no drafts; one group of `split_chunks`): rows of S
+    tokens, `owners` set (the chunk of each row) and `continues` where a row goes on from
+    another (else None)."""
     if any(c.num_drafts for c in chunks):
         raise ValueError("packed prefill takes no draft tokens")
-    size = segment_size([len(c.token_ids) for c in chunks], cap)
+    size = segment_size([len(c.token_ids) for c in chunks], limits)
     pieces, owners, continues = [], [], []
     for i, chunk in enumerate(chunks):
         for j, at in enumerate(range(0, len(chunk.token_ids), size)):
@@ -126,19 +172,15 @@ def build_packed(
     )
 
 
-def packed_shapes(max_tokens: int, max_num_seqs: int, cap: int) -> list[tuple[int, int]]:
+def packed_shapes(max_tokens: int, max_num_seqs: int, limits: PackLimits) -> list[tuple[int, int]]:
     """(rows, S) of every packed program for steps of at most `max_tokens` prompt tokens over
-    at most `max_num_seqs` chunks, segments up to `cap`: within the step's `row_limit` and
-    `token_limit` at their largest (a step that no S fits within both takes the fewest slots
-    within its rows, possibly a program outside these: compiled when met)."""
-    top = ladder(cap)[0]
-    most_rows = max(FEW_ROWS, 2 * bucket_rows(max_num_seqs + -(-max_tokens // top)))
-    most_slots = 2 * max_tokens + 20 * max_num_seqs + top
+    at most `max_num_seqs` chunks, within `limits` (a chunk longer than `max_tokens` may take
+    a program outside these: compiled when met)."""
     out = []
-    for size in ladder(cap):
-        most = min(most_rows, bucket_rows(-(-max_tokens // size) + max_num_seqs))
+    for size in ladder(limits.segment):
+        most = min(limits.rows, bucket_rows(-(-max_tokens // size) + max_num_seqs))
         rows = 1
-        while rows * size <= most_slots or rows == 1:
+        while rows * size <= limits.slots or rows == 1:
             out.append((rows, size))
             if rows >= most:
                 break

@@ -16,7 +16,7 @@ import numpy as np
 
 from hybridserve.cache.plan import CachePlan
 from hybridserve.runner.input_batch import BatchArrays, bucket, table_width, token_buckets
-from hybridserve.runner.packed import packed_shapes
+from hybridserve.runner.packed import PackLimits, packed_shapes
 
 
 class StepRunner(Protocol):
@@ -25,7 +25,7 @@ class StepRunner(Protocol):
 
     plan: CachePlan
     max_model_len: int
-    max_segment: int
+    pack_limits: PackLimits
     regions: list[jax.Array]
 
     def run(self, batch: BatchArrays) -> Any: ...
@@ -55,12 +55,12 @@ def dummy_batch(runner: StepRunner, rows: int, tokens: int, packed: bool = False
     )
 
 
-def shapes(max_num_seqs: int, max_tokens: int, max_segment: int) -> list[tuple[int, int, bool]]:
+def shapes(max_num_seqs: int, max_tokens: int, limits: PackLimits) -> list[tuple[int, int, bool]]:
     """(rows, tokens, chained) of every program for batches of up to `max_num_seqs` requests
     and `max_tokens` prompt tokens a step: decode (one token a row) and packed prefill
-    (`runner.packed`, segments up to `max_segment`), with and without chained rows."""
+    (`runner.packed`, within `limits`), with and without chained rows."""
     decode = [(b, 1, False) for b in token_buckets(bucket(max_num_seqs), 1)]
-    prefill = packed_shapes(max_tokens, max_num_seqs, max_segment)
+    prefill = packed_shapes(max_tokens, max_num_seqs, limits)
     # each packed shape with rows that continue others (chained) and without (every chunk in
     # one row: the program leaves the Mamba chain out)
     return decode + [(b, t, chained) for b, t in prefill for chained in (True, False)]
@@ -68,7 +68,7 @@ def shapes(max_num_seqs: int, max_tokens: int, max_segment: int) -> list[tuple[i
 
 def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:
     """Compile every program `execute` can need (and the page copy); returns how many."""
-    todo = shapes(max_num_seqs, max_tokens, runner.max_segment)
+    todo = shapes(max_num_seqs, max_tokens, runner.pack_limits)
     for b, t, packed in todo:
         runner.run(dummy_batch(runner, b, t, packed))
     runner.copy_pages([(0, 0)])
