@@ -14,7 +14,8 @@ run on CPU devices (a check of the machinery, not a measurement).
 Workloads (--workloads IN/OUT ..., default 1024/128, prefill-heavy, and 1024/1024,
 decode-heavy): random prompts of IN tokens, OUT tokens each (greedy, EOS ignored), closed
 loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in all
-(default --waves * C, at least 8), after a warmup pass of 2 * C of them at the same C (it compiles
+(default --waves * C, at least 8), after a warmup pass of --warmup-waves * C of them (default 2) at
+the same C (it compiles
 the programs the timed pass needs). Per (workload, deployment, C):
   output tok/s/GPU = output tokens / (last finish - first send) / GPUs used
   bound tok/s      = the workload's roofline bound per GPU (`serving_bound`: prefill FLOPs
@@ -254,6 +255,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     add("--num-prompts", type=int, help="requests per level (default --waves x C, at least 8)")
     add("--waves", type=int, default=4, help="requests per level in units of C (default 4)")
+    add(
+        "--warmup-waves",
+        type=int,
+        default=2,
+        help="warmup requests per level in units of C (default 2): the programs the timed "
+        "pass meets compile here (each a few seconds for the 9B shape on the H200)",
+    )
     add("--max-num-batched-tokens", type=int, default=8192)
     add(
         "--max-num-prefill-tokens",
@@ -270,8 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--gpus must be a multiple of --colocated-tp")
     if "disaggregated" in args.modes and args.prefill_tp + args.decode_tp != args.gpus:
         parser.error("--prefill-tp + --decode-tp must equal --gpus (the same GPUs per mode)")
-    if args.waves < 1:
-        parser.error("--waves must be >= 1")
+    if args.waves < 1 or args.warmup_waves < 1:
+        parser.error("--waves and --warmup-waves must be >= 1")
     if min(o for _, o in args.workloads) < 2 or min(args.concurrency) < 1:
         parser.error("every workload's OUT must be >= 2 and every concurrency >= 1")
     return args
@@ -318,10 +326,11 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 for (i, o), c in itertools.product(args.workloads, args.concurrency):
                     n = args.num_prompts or max(8, args.waves * c)
-                    prompts = [rng.integers(3, vocab, i).tolist() for _ in range(n)]
-                    deployment.run(prompts[: 2 * c], c, o)  # warmup: compiles
+                    total = max(n, args.warmup_waves * c)
+                    prompts = [rng.integers(3, vocab, i).tolist() for _ in range(total)]
+                    deployment.run(prompts[: args.warmup_waves * c], c, o)  # warmup: compiles
                     before = deployment.prefill_tokens()
-                    records = deployment.run(prompts, c, o)
+                    records = deployment.run(prompts[:n], c, o)
                     after = deployment.prefill_tokens()
                     row = {"mode": mode, "concurrency": c, "input_len": i, "output_len": o}
                     row |= {"gpus": deployment.gpus} | summarise(records, deployment.gpus)
