@@ -150,8 +150,8 @@ def build_packed(
     chunks: list[ScheduledChunk], plan: CachePlan, max_model_len: int, limits: PackLimits
 ) -> BatchArrays:
     """The packed batch of prompt chunks (no drafts; one group of `split_chunks`): rows of S
-    tokens, `owners` set (the chunk of each row) and `continues` where a row goes on from
-    another (else None)."""
+    tokens, `owners` set (the chunk of each row) and `continues` (1 where a row goes on from
+    the row before)."""
     if any(c.num_drafts for c in chunks):
         raise ValueError("packed prefill takes no draft tokens")
     size = segment_size([len(c.token_ids) for c in chunks], limits)
@@ -165,8 +165,8 @@ def build_packed(
     batch = build_batch(pieces, plan, max_model_len, size, rows=rows)
     pad = rows - len(pieces)
     owners_padded = np.asarray(owners + [-1] * pad, np.int32)
-    if not any(continues):  # every chunk in one row: the program without the Mamba chain
-        return dataclasses.replace(batch, owners=owners_padded)
+    # always with `continues`, all zeros when every chunk fits one row: one program a shape
+    # (a form without the chain would save its rows' small scans a step but compile twice)
     return dataclasses.replace(
         batch, continues=np.asarray(continues + [False] * pad, np.int32), owners=owners_padded
     )

@@ -58,12 +58,10 @@ def dummy_batch(runner: StepRunner, rows: int, tokens: int, packed: bool = False
 def shapes(max_num_seqs: int, max_tokens: int, limits: PackLimits) -> list[tuple[int, int, bool]]:
     """(rows, tokens, chained) of every program for batches of up to `max_num_seqs` requests
     and `max_tokens` prompt tokens a step: decode (one token a row) and packed prefill
-    (`runner.packed`, within `limits`), with and without chained rows."""
+    (`runner.packed`, within `limits`; its rows may continue others: chained)."""
     decode = [(b, 1, False) for b in token_buckets(bucket(max_num_seqs), 1)]
     prefill = packed_shapes(max_tokens, max_num_seqs, limits)
-    # each packed shape with rows that continue others (chained) and without (every chunk in
-    # one row: the program leaves the Mamba chain out)
-    return decode + [(b, t, chained) for b, t in prefill for chained in (True, False)]
+    return decode + [(b, t, True) for b, t in prefill]
 
 
 def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:

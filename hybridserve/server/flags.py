@@ -68,7 +68,7 @@ ENGINE_FLAGS = (
         ("--max-num-prefill-tokens",),
         "max_num_prefill_tokens",
         "prompt tokens per step, all requests together, while requests decode (None: the "
-        "step's budget; serve on GPUs: 640)",
+        "step's budget; serve on GPUs: 512)",
     ),
     EngineFlag(
         ("--no-decode-first",),
@@ -163,12 +163,14 @@ def engine_kwargs(
 # `serve` on a GPU: the scheduler settings a user leaves out are sized for serving many
 # requests (as vLLM's API server sizes its own), not the CPU-sized `SchedulerConfig` defaults.
 # The prompt cap keeps the decodes' inter-token latency within about 3x a decode step while
-# prompts stream in (issue 24: measured on an H200 with the 9B shape, BENCHMARKS.md).
+# prompts stream in, and is a whole number of the longest packed segments (256 tokens: a cap of
+# 576 or 640 leaves partial rows in every step); measured on an H200 with the 9B shape
+# (issue 24, BENCHMARKS.md).
 GPU_SERVE_DEFAULTS = {
     "max_num_seqs": 256,
     "max_num_batched_tokens": 8192,
     "max_prefill_chunk": 2048,
-    "max_num_prefill_tokens": 640,
+    "max_num_prefill_tokens": 512,
 }
 
 
