@@ -58,7 +58,9 @@ def _serve(
     devices: int,
     env: dict[str, str] | None,
 ) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # this worker's host devices; the parent's other XLA flags stay
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
     os.environ.update(env or {})  # e.g. JAX_PLATFORMS=cuda, CUDA_VISIBLE_DEVICES=1
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from hybridserve.engine import LLMEngine
