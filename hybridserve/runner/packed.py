@@ -119,8 +119,12 @@ def segment_size(lengths: list[int], limits: PackLimits) -> int:
 
 
 def split_chunks(chunks: list[ScheduledChunk], limits: PackLimits) -> list[list[ScheduledChunk]]:
-    """`chunks` in order, cut into the fewest consecutive groups that each fit one program
-    within `limits` (one group unless a step has more short chunks than `limits.rows`)."""
+    """`chunks` in order, cut into consecutive groups that each fit one program within
+    `limits`, each group taking chunks while they fit: one group for most steps, several when
+    the chunks' partial rows need more rows or slots (many short chunks; 27 chunks of 300
+    tokens take 54 rows of 256, 14336 slots, against 32 x 256 for 8192 tokens)."""
+    if fits([len(c.token_ids) for c in chunks], limits):
+        return [list(chunks)]
     groups: list[list[ScheduledChunk]] = []
     for chunk in chunks:
         grown = groups[-1] + [chunk] if groups else []
