@@ -14,9 +14,8 @@ run on CPU devices (a check of the machinery, not a measurement).
 Workloads (--workloads IN/OUT ..., default 1024/128, prefill-heavy, and 1024/1024,
 decode-heavy): random prompts of IN tokens, OUT tokens each (greedy, EOS ignored), closed
 loop: C requests in flight, a new one sent when one finishes, --num-prompts requests in all
-(default --waves * C, at least 8), after a warmup pass of --warmup-waves * C of them (default 2) at
-the same C (it compiles
-the programs the timed pass needs). Per (workload, deployment, C):
+(default --waves * C, at least 8), after a warmup pass of --warmup-waves * C of them (default 2)
+at the same C (it compiles the programs the timed pass needs). Per (workload, deployment, C):
   output tok/s/GPU = output tokens / (last finish - first send) / GPUs used
   bound tok/s      = the workload's roofline bound per GPU (`serving_bound`: prefill FLOPs
                      at the matmul ceiling + decode bytes at the copy bandwidth, both measured

@@ -42,7 +42,7 @@ def activation_bytes(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> 
     row carries a Mamba state through the scan), from their compiled memory analyses
     (compiled, not run)."""
     todo = shapes(max_num_seqs, max_tokens, runner.pack_limits)
-    prefill = [s for s in todo if s[1] > 1] or todo
+    prefill = [s for s in todo if s[2]] or todo  # the packed (chained) programs
     largest = {max(todo, key=lambda s: s[0] * s[1]), max(prefill, key=lambda s: (s[0], s[1]))}
     peak = 0
     for rows, tokens, packed in largest:

@@ -168,11 +168,12 @@ def build_packed(
     rows = bucket_rows(len(pieces))
     batch = build_batch(pieces, plan, max_model_len, size, rows=rows)
     pad = rows - len(pieces)
-    owners_padded = np.asarray(owners + [-1] * pad, np.int32)
     # always with `continues`, all zeros when every chunk fits one row: one program a shape
     # (a form without the chain would save its rows' small scans a step but compile twice)
     return dataclasses.replace(
-        batch, continues=np.asarray(continues + [False] * pad, np.int32), owners=owners_padded
+        batch,
+        continues=np.asarray(continues + [False] * pad, np.int32),
+        owners=np.asarray(owners + [-1] * pad, np.int32),
     )
 
 
