@@ -191,7 +191,8 @@ class Mamba2(nnx.Module):
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         page_rows = inputs.layout.page_rows
         fresh = inputs.fresh  # a row at position 0 starts from zero state (the page is reused)
-        chained = inputs.continues is not None and t > 1  # packed prefill: `mamba2_chain`
+        # packed prefill over several rows: `mamba2_chain` (a one-row program's row is a first)
+        chained = inputs.continues is not None and t > 1 and bsz > 1
         if paged:
             x_st, b_st, c_st, conv_rows = read_conv(region, acc, tp, pages, page_rows)
         else:
@@ -243,7 +244,7 @@ class Mamba2(nnx.Module):
             )
             if chained:
                 cum = jnp.cumsum(dt * a, axis=1)  # [B, T, Hs]
-                inflow, ssm_state = chain_states(ssm_state, jnp.exp(cum[:, -1]), inputs.continues)
+                inflow, ssm_state = chain_states(ssm_state, cum[:, -1], inputs.continues)
                 y = add_inflow(y, cs, cum, inflow)
                 pages = jnp.where(inputs.last, pages, 0)  # one row per sequence stores
         if not paged:

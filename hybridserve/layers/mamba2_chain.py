@@ -37,19 +37,30 @@ def carry_conv(raw: jax.Array, state: jax.Array, continues: jax.Array) -> jax.Ar
 
 
 def chain_states(
-    final: jax.Array, decay: jax.Array, continues: jax.Array
+    final: jax.Array, log_decay: jax.Array, continues: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """(h, e) of the module docstring, both [B, Hs, P, Ns] float32, from each row's own final
-    state `final` [B, Hs, P, Ns] and total decay `decay` [B, Hs] (= g)."""
+    state `final` [B, Hs, P, Ns], its log total decay `log_decay` [B, Hs] (= cum_T = log g) and
+    `continues` [B].
 
-    def step(before: jax.Array, row: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple]:
-        f, g, goes_on = row
-        inflow = jnp.where(goes_on > 0, before, 0.0)
-        ends = f + g[:, None, None] * inflow
-        return ends, (inflow, ends)
-
-    start = jnp.zeros(final.shape[1:], F32)
-    _, (inflow, ends) = jax.lax.scan(step, start, (final.astype(F32), decay.astype(F32), continues))
+    The recurrence e_i = f_i + g_i c_i e_{i-1} (c_i = continues[i]) unrolls to one matrix per
+    head, e_i = sum_{j <= i} L_ij f_j with L_ij = exp(cum_{j+1} + ... + cum_i) when rows j..i
+    are one sequence (no first row among j + 1..i) and 0 otherwise: one batched matmul a layer
+    instead of a sequential loop over rows (B is at most a program's rows, 64 by default). The
+    exponent is summed from the masked terms (no difference of prefix sums, no cancellation),
+    and the matmul runs at full float32 precision."""
+    rows = final.shape[0]
+    seq = jnp.cumsum(continues <= 0)  # [B] the sequence of each row, counted from its first
+    later = jnp.arange(rows)[:, None] > jnp.arange(rows)[None, :]  # [k, j]: k > j
+    terms = jnp.where(later[None], log_decay.T.astype(F32)[:, :, None], 0.0)  # [Hs, k, j]
+    exponent = jnp.cumsum(terms, axis=1)  # [Hs, i, j] = sum over j < k <= i
+    joined = (seq[:, None] == seq[None, :]) & ~later.T  # [i, j]: j <= i, one sequence
+    weights = jnp.where(joined[None], jnp.exp(exponent), 0.0)
+    ends = jnp.einsum(
+        "hij,jhpn->ihpn", weights, final.astype(F32), precision=jax.lax.Precision.HIGHEST
+    )
+    before = jnp.concatenate([jnp.zeros_like(ends[:1]), ends[:-1]], axis=0)
+    inflow = jnp.where(continues[:, None, None, None] > 0, before, 0.0)
     return inflow, ends
 
 
