@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridserve.entrypoints.worker import WorkerSpec, spawn_workers
+from hybridserve.server.flags import GPU_SERVE_DEFAULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_models  # noqa: E402
@@ -265,7 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add(
         "--max-num-prefill-tokens",
         type=int,
-        help="prompt tokens per step, all requests together (default: the engine's)",
+        default=GPU_SERVE_DEFAULTS["max_num_prefill_tokens"],
+        help="prompt tokens per step beside decodes, all requests together (default "
+        f"{GPU_SERVE_DEFAULTS['max_num_prefill_tokens']}, what `hybridserve serve` takes on a GPU)",
     )
     add("--cache-gib", type=float, default=40, help="cache pool GiB per rank (default 40)")
     add("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -27,7 +27,7 @@ from hybridserve.core.outputs import ScheduledChunk
 from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch
 
 SMALLEST_SEGMENT = 16
-MAX_SEGMENT = 256  # the default cap (rows of 256 tokens: whole tiles for the prefill kernels)
+MAX_SEGMENT = 512  # the default cap: a 512-token chunk in one row beat two rows of 256 (BENCHMARKS)
 FEW_ROWS = 64  # rows any program may take (more when a step's whole segments need them)
 PADDING_GOAL = 1.1  # padded / real tokens that a larger segment may cost
 
