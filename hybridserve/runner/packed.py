@@ -169,7 +169,8 @@ def build_packed(
     batch = build_batch(pieces, plan, max_model_len, size, rows=rows)
     pad = rows - len(pieces)
     # always with `continues`, all zeros when every chunk fits one row: one program a shape
-    # (a form without the chain would save its rows' small scans a step but compile twice)
+    # (a form without the chain would save its matmul a layer but compile twice; a program of
+    # one row skips the chain by its shape)
     return dataclasses.replace(
         batch,
         continues=np.asarray(continues + [False] * pad, np.int32),
