@@ -2,36 +2,35 @@
 
 `call(fn, out_specs, *arrays)` runs `fn` (torch tensors in, torch tensors out) on JAX arrays:
 
-* Inside `jax.jit` (the engine jits its whole step, so this is the normal path) the arrays are
-  tracers and torch cannot see them. The call becomes a `jax.pure_callback` whose result shapes
-  and dtypes are given as `jax.ShapeDtypeStruct`s (`vmap_method="sequential"`). On CPU the
-  callback receives numpy views of XLA's host buffers; `torch.from_numpy` wraps them without a
-  copy, and `Tensor.numpy()` hands the results back without a copy (XLA copies them once into
-  its output buffers).
+* Inside `jax.jit` (the engine jits its whole step, so this is the normal path) the call is a
+  `jax.experimental.buffer_callback`: XLA hands the callback its own device buffers, which
+  torch wraps through DLPack without a copy, and the results are copied once into XLA's output
+  buffers. On a GPU the callback runs while XLA's stream is being filled: the torch kernels are
+  queued on that stream (`ExecutionContext.stream`, as a `torch.cuda.ExternalStream`), so they
+  run in order with the step's other kernels, no host copy and no synchronisation. On the CPU
+  the buffers are host memory and the callback computes them there.
 * Outside jit (concrete, single-device arrays) the arrays are exchanged through DLPack:
   `torch.from_dlpack(jax_array)` and `jax.dlpack.from_dlpack(tensor)`, zero copy, on whatever
   device the array lives (CUDA tensors when JAX is on a GPU).
 
-bfloat16: numpy has no bfloat16 of its own; JAX hands the callback `ml_dtypes.bfloat16` arrays,
-which `torch.from_numpy` rejects. They cross as their raw 16-bit patterns instead
-(`ndarray.view(np.int16)` -> `Tensor.view(torch.bfloat16)` and back), which is still zero copy
-and bit-exact; no trip through float32 is needed. The ops themselves upcast to float32 wherever
-the protocol asks for float32 arithmetic.
+Lifecycle of one call inside a jitted step:
+  1. Tracing: `buffer_callback` records the result shapes and dtypes (`out_specs`).
+  2. Each execution: XLA calls `_Callback.__call__` with the output buffers, then the inputs
+     (absent inputs, None, are not passed to XLA and come back as None).
+  3. On a GPU it makes XLA's stream torch's current stream for the duration of the call.
+  4. It wraps every buffer as a tensor (`torch.from_dlpack`), runs `fn` under `no_grad`, checks
+     the results' count and shapes, and copies each into its output buffer (casting to the
+     output dtype).
+  5. It returns; nothing it made outlives the call (torch's temporaries go back to torch's
+     caching allocator, which on a GPU holds memory beside XLA's pool: lower
+     `XLA_PYTHON_CLIENT_MEM_FRACTION` to leave it room).
 
-On a GPU the callback path is NOT zero copy: `pure_callback` moves every operand from device to
-host and every result back (and serialises the step on the host), so the torch backend inside a
-jitted step is a correctness / CPU backend, not a fast GPU one. The zero-copy GPU path in the
-installed JAX is `jax.experimental.buffer_callback.buffer_callback`, which passes the callback
-the device buffers themselves (DLPack-capable, with the CUDA stream in its `ExecutionContext`),
-so torch could run its CUDA kernels on them in place on XLA's stream; it is not wired up here.
-
-Input arrays are never written (JAX arrays are immutable, and the callback's buffers are
-read-only), so the ops must not modify their inputs in place.
+Input buffers are XLA's and may be shared: the ops must not modify their inputs in place.
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -39,10 +38,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
-
-# The callback's operand buffers are read-only; torch warns once when it wraps them. The ops
-# never write into their inputs.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+from jax.experimental.buffer_callback import buffer_callback
 
 _TORCH_DTYPES = {
     np.dtype(np.float32): torch.float32,
@@ -66,29 +62,33 @@ def torch_dtype(dtype) -> torch.dtype:
         raise TypeError(f"no torch dtype for {dtype}") from None
 
 
-def from_numpy(a: np.ndarray) -> torch.Tensor:
-    """A host array as a torch tensor, zero copy (bfloat16 through its bit pattern)."""
-    a = np.asarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
-def to_numpy(t: torch.Tensor, dtype) -> np.ndarray:
-    """A torch tensor as a host array of `dtype` (cast first if needed), zero copy when it can."""
-    dtype = np.dtype(dtype)
-    t = t.detach().to(device="cpu", dtype=torch_dtype(dtype)).contiguous()
-    if dtype == ml_dtypes.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
 def _is_concrete(a: jax.Array) -> bool:
     return (
         isinstance(a, jax.Array)
         and not isinstance(a, jax.core.Tracer)
         and len(a.sharding.device_set) == 1
     )
+
+
+class _Callback:
+    """The buffer callback of one `call` inside jit (steps 2-5 of the module docstring)."""
+
+    def __init__(self, run: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]) -> None:
+        self.run = run
+
+    def __call__(self, ctx, outs, *inputs) -> None:
+        on_gpu = any(b.__dlpack_device__()[0] == _DL_CUDA for b in (*inputs, *outs))
+        # XLA's stream becomes torch's before any buffer is wrapped (DLPack is told that stream)
+        scope = torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream)) if on_gpu else _NO_SCOPE
+        with scope:
+            tensors = [torch.from_dlpack(b) for b in inputs]
+            targets = [torch.from_dlpack(b) for b in outs]
+            for target, result in zip(targets, self.run(tensors), strict=True):
+                target.copy_(result.to(target.dtype))
+
+
+_DL_CUDA = 2  # DLPack's device type of CUDA memory
+_NO_SCOPE = contextlib.nullcontext()
 
 
 def call(
@@ -99,7 +99,7 @@ def call(
     """Run the torch function `fn` on JAX `arrays` (None passes through as None); the results
     are cast to `out_specs`' dtypes and come back as JAX arrays of those shapes.
 
-    `fn` takes torch tensors positionally (on the CPU inside jit) and returns one tensor or a
+    `fn` takes torch tensors positionally (on the arrays' device) and returns one tensor or a
     tuple matching `out_specs`. Static arguments should be bound with a closure or partial.
     """
     single = isinstance(out_specs, jax.ShapeDtypeStruct)
@@ -128,10 +128,5 @@ def call(
             for t, s in zip(outs, specs, strict=True)
         )
     else:
-
-        def host(*host_arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-            outs = run([from_numpy(a) for a in host_arrays])
-            return tuple(to_numpy(t, s.dtype) for t, s in zip(outs, specs, strict=True))
-
-        results = jax.pure_callback(host, specs, *operands, vmap_method="sequential")
+        results = buffer_callback(_Callback(run), specs, vmap_method="sequential")(*operands)
     return results[0] if single else tuple(results)
