@@ -7,15 +7,20 @@ bytes read + written) and bf16 matmul rate (8192^3). Then, bf16 unless stated:
     64 tokens scattered through a block table: pallas with and without the relative bias, in
     TFLOP/s (4 T^2/2 N H), against torch flash SDPA without bias on the same shape;
   * paged decode attention, batch 64, context 8k, pages of 16: % of copy bandwidth over the
-    KV bytes; pallas tile variants and the xla reference;
+    KV bytes; pallas tile variants and the xla reference; batch 1 at 128k context
+    (--long-context), split-KV (the registered op) and one split;
   * Mamba2 chunked scan, 128 heads x 64, state 128, one group: tokens/s per layer;
   * sconv (causal depthwise conv, width 4, silu) over [8, 2048, 8448]: % of bandwidth;
   * one-token Mamba2 state update and conv update at batch 256, RMSNorm, grouped matmul.
 Each time is the median of 5 timed loops of `--iters` calls (after a warmup call), the host
 waiting on the last result. Every pallas result is checked against the xla reference on the
-same random inputs first (relative L2 error printed). Prints a table; `--json` writes rows.
+same random inputs first (relative L2 error printed). Prints a table; `--json` writes the run
+(`kernels_json`: {date, commit, device, copy_gbps, rows: [{op, shape, impl, ms, rate, unit}]}).
+`--peers` measures tokamax, fla-core and a torch copy beside ours on the same inputs, each
+checked against our output (`kernel_peers`, which says how to install them); the copy ceiling
+is then the better of JAX's and torch's.
 
-    python scripts/bench_kernels.py --json $OUT/kernels.json
+    python scripts/bench_kernels.py --peers --json $OUT/kernels.json
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +42,10 @@ from backends.pallas.attention import paged_attention_tiled
 from backends.pallas.conv import causal_conv1d_tiled
 from backends.pallas.ssd import mamba2_scan_tiled
 from backends.protocol import RelativeBias, get_op
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_peers  # noqa: E402
+from kernels_json import kernels_json  # noqa: E402
 
 BF = jnp.bfloat16
 ROWS: list[dict] = []
@@ -114,7 +125,7 @@ def prefill(peak_flops: float, args: argparse.Namespace) -> None:
     rq = jax.random.normal(jax.random.key(4), (1, t, nq, r), BF) * 0.1
     emb = jax.random.normal(jax.random.key(5), (32, r), BF)
     scale = hd**-0.5
-    torch_tflops = torch_flash(t, nq, nkv, hd)
+    torch_tflops = kernel_peers.torch_flash(t, nq, nkv, hd, row, args.iters)
     rng = np.random.default_rng(0)
     for page in sorted({tile[0] for tile in args.prefill_tiles}):
         q, k, v, table, pos, kv_len = paged_inputs(rng, 1, t, t, nq, nkv, hd, page, [0])
@@ -144,47 +155,11 @@ def prefill(peak_flops: float, args: argparse.Namespace) -> None:
                         rel_err=err)  # fmt: skip
             except Exception as exc:  # noqa: BLE001  (report and go on)
                 print(f"prefill attn {name}: FAILED {type(exc).__name__}: {exc}"[:400])
-
-
-def torch_flash(t: int, nq: int, nkv: int, hd: int) -> float:
-    """TFLOP/s of torch SDPA (flash backend) without bias, causal, on the same shape."""
-    try:
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        return 0.0
-    if not torch.cuda.is_available():
-        return 0.0
-    dev = "cuda"
-    q = torch.randn(1, nq, t, hd, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(1, nkv, t, hd, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(1, nkv, t, hd, device=dev, dtype=torch.bfloat16)
-    flops = 4 * t * t / 2 * nq * hd
-    best = 0.0
-    for label, gqa in (("gqa", True), ("expanded kv", False)):
-        kk = k if gqa else k.repeat_interleave(nq // nkv, 1)
-        vv = v if gqa else v.repeat_interleave(nq // nkv, 1)
-        try:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                fn = functools.partial(
-                    F.scaled_dot_product_attention, q, kk, vv, is_causal=True, enable_gqa=gqa
-                )
-                fn()
-                torch.cuda.synchronize()
-                loops = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    for _ in range(20):
-                        fn()
-                    torch.cuda.synchronize()
-                    loops.append((time.perf_counter() - start) / 20)
-            sec = statistics.median(loops)
-            row("prefill attn", f"torch flash SDPA {label}", sec, TFLOPs=flops / sec / 1e12)
-            best = max(best, flops / sec / 1e12)
-        except Exception as exc:  # noqa: BLE001
-            print(f"torch flash {label}: FAILED {type(exc).__name__}: {exc}"[:300])
-    return best
+    if args.peers:  # the same tokens, K/V gathered from the pages into contiguous arrays
+        flat = lambda pages: pages[table[0]].swapaxes(1, 2).reshape(1, t, nkv, hd)  # noqa: E731
+        ours = bind("paged_attention", "pallas", scale, None, None, None, None)
+        out = ours(q, k, v, table, pos, kv_len)
+        kernel_peers.attention(q, flat(k), flat(v), out, timed, row, args.iters)
 
 
 def decode(bandwidth: float, args: argparse.Namespace) -> None:
@@ -193,6 +168,27 @@ def decode(bandwidth: float, args: argparse.Namespace) -> None:
     scale = hd**-0.5
     for page in sorted({tile[0] for tile in args.decode_tiles}):
         decode_page(page, bandwidth, args, bsz, ctx, nq, nkv, hd, kv_bytes, scale)
+    decode_long(bandwidth, args, nq, nkv, hd, scale)
+
+
+def decode_long(bandwidth, args, nq, nkv, hd, scale, page=64) -> None:
+    """Batch 1 at --long-context tokens: the registered op (split-KV: its key blocks shared
+    among programs, merged by log-sum-exp) and one program a (row, kv head) for comparison."""
+    ctx = args.long_context
+    kv_bytes = 2 * ctx * nkv * hd * 2
+    inputs = paged_inputs(np.random.default_rng(2), 1, 1, ctx, nq, nkv, hd, page, [ctx - 1])
+    ref = bind("paged_attention", "xla", scale, None)(*inputs)
+    one = functools.partial(paged_attention_tiled, scale=scale, sliding_window=None, block_m=16)
+    for name, fn in (("split-KV (registered)", bind("paged_attention", "pallas", scale, None)),
+                     ("one split", jax.jit(one))):  # fmt: skip
+        try:
+            err = rel_err(fn(*inputs), ref)
+            sec = timed(fn, *inputs, iters=args.iters)
+            row("decode attn", f"pallas B1 {ctx} ctx page {page} {name}", sec,
+                shape=f"1 row x {ctx} ctx, {nq}/{nkv} heads d{hd}", GBps=kv_bytes / sec / 1e9,
+                of_bandwidth=kv_bytes / sec / bandwidth, rel_err=err)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            print(f"decode attn B1 {name}: FAILED {type(exc).__name__}: {exc}"[:400])
 
 
 def decode_page(page, bandwidth, args, bsz, ctx, nq, nkv, hd, kv_bytes, scale) -> None:
@@ -245,10 +241,12 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
                 out = fn(*ops)
                 ref = out if kind == "xla" else ref
                 sec = timed(fn, *ops, iters=args.iters)
-                row("mamba2 scan", name, sec, tok_per_s=bsz * t / sec, rel_err=rel_err(
-                    out[0], ref[0]), state_err=rel_err(out[1], ref[1]))  # fmt: skip
+                row("mamba2 scan", name, sec, shape=[bsz, t, nh, p], tok_per_s=bsz * t / sec,
+                    rel_err=rel_err(out[0], ref[0]), state_err=rel_err(out[1], ref[1]))  # fmt: skip
             except Exception as exc:  # noqa: BLE001
                 print(f"mamba2 scan {name}: FAILED {type(exc).__name__}: {exc}"[:400])
+        if args.peers and ref is not None:
+            kernel_peers.scan(*ops, ref[0], row, args.iters)
     bsz = 256  # one decode step
     keys = jax.random.split(jax.random.key(9), 5)
     state = jax.random.normal(keys[0], (bsz, nh, p, ns), jnp.float32)
@@ -292,6 +290,9 @@ def conv(bandwidth: float, args: argparse.Namespace) -> None:
                 GBps=gbps / 1e9, of_bandwidth=gbps / bandwidth, rel_err=err)  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             print(f"sconv {bt}x{bc}: FAILED {type(exc).__name__}: {exc}"[:400])
+    if args.peers:
+        zero = bind("causal_conv1d", "pallas", "silu")(x, jnp.zeros_like(state), w, bias, lengths)
+        kernel_peers.conv(x, w, bias, zero[0], bandwidth, row, args.iters)
     bsz = 256
     xs, st = x[:, 0].repeat(32, 0)[:bsz], state.repeat(32, 0)[:bsz]
     for backend in ("xla", "pallas"):
@@ -317,6 +318,9 @@ def misc(bandwidth: float, args: argparse.Namespace) -> None:
         sec = timed(fn, xm, wm, sizes, iters=args.iters)
         row("grouped matmul", f"{backend} 8192x2048->1408 E64", sec,
             TFLOPs=2 * 8192 * 2048 * 1408 / sec / 1e12)  # fmt: skip
+    if args.peers:
+        ours = jax.jit(get_op("grouped_matmul", "pallas"))(xm, wm, sizes)
+        kernel_peers.ragged_dot(xm, wm, sizes, ours, timed, row, args.iters)
 
 
 def main() -> None:
@@ -324,9 +328,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="calls per timed loop")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--long-context", type=int, default=131072, help="batch-1 decode row")
     parser.add_argument("--only", nargs="*", default=["prefill", "decode", "ssm", "conv", "misc"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="measure the peers beside ours "
+        "(scripts/kernel_peers.py: tokamax, fla-core, torch copy)",
+    )
+    parser.add_argument("--commit", default="", help="the code's commit, for the JSON")
     tiles = "comma-separated ints, ';' between variants (replaces the built-in sweep)"
     parser.add_argument("--prefill-tiles", help=f"page,block_m,block_k,warps,stages: {tiles}")
     parser.add_argument("--decode-tiles", help=f"page,block_k,warps,stages: {tiles}")
@@ -336,7 +348,7 @@ def main() -> None:
     if args.smoke:
         global SMOKE
         SMOKE, args.iters = 64, 1
-        args.prefill_tokens, args.decode_context = 256, 256
+        args.prefill_tokens, args.decode_context, args.long_context = 256, 256, 1024
     # (page, block_m, block_k, warps, stages)
     prefill_tiles = [(16, 64, 64, 4, 2), (16, 128, 64, 8, 2), (64, 64, 64, 4, 2)]
     prefill_tiles += [(64, 128, 64, 8, 2), (64, 64, 32, 4, 2), (64, 128, 32, 4, 3)]
@@ -350,6 +362,8 @@ def main() -> None:
     CONV_TILES = parse(args.conv_tiles) if args.conv_tiles else CONV_TILES
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     bandwidth, flops = ceilings()
+    if args.peers:  # the ceiling of a bandwidth-bound op: the best copy, JAX's or torch's
+        bandwidth = max(bandwidth, kernel_peers.torch_copy(row, args.iters, 2**31 // SMOKE))
     sections = {"prefill": lambda: prefill(flops, args), "decode": lambda: decode(bandwidth, args),
                 "ssm": lambda: ssm(bandwidth, args), "conv": lambda: conv(bandwidth, args),
                 "misc": lambda: misc(bandwidth, args)}  # fmt: skip
@@ -360,7 +374,7 @@ def main() -> None:
             print(f"{name}: FAILED {type(exc).__name__}: {exc}"[:600], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "rows": ROWS}, f, indent=1)
+            json.dump(kernels_json(ROWS, args, bandwidth, SMOKE), f, indent=1)
 
 
 if __name__ == "__main__":

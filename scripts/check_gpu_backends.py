@@ -11,7 +11,8 @@ Mamba2, attention, MLP; written once as a converted checkpoint). For each, in bf
   2. greedy generation (8 prompts of 20-400 tokens, 32 new tokens each, 2 x 8 for the ~1B
      model; continuous batching and chunked prefill): tokens per second, and how many tokens
      agree with xla before the first divergence (bf16 near-ties may flip late tokens; the
-     logits check is the criterion).
+     logits check is the criterion); then the same in float32 against xla's float32 tokens
+     (`greedy_agree_f32`: there they should agree in full).
 
     python scripts/check_gpu_backends.py [--backends pallas torch] [--json out.json]
 """
@@ -114,11 +115,13 @@ def check(
             continue
         same, total = agree(got["tokens"], ref["tokens"])
         err = rel(got["logits"], anchor["logits"])
+        exact = run_backend(model, backend, "float32", prompt, prompts, new_tokens)
+        same32, _ = agree(exact["tokens"], anchor["tokens"])
         rows.append({
             "model": name, "backend": backend, "err_vs_xla_f32": err, "floor": floor,
             "err_vs_xla_bf16": rel(got["logits"], ref["logits"]),
-            "greedy_agree": f"{same}/{total}", "tok_per_s": got["tok_per_s"],
-            "ok": bool(err <= 2 * floor),
+            "greedy_agree": f"{same}/{total}", "greedy_agree_f32": f"{same32}/{total}",
+            "tok_per_s": got["tok_per_s"], "ok": bool(err <= 2 * floor),
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
