@@ -301,7 +301,7 @@ OP_SIGNATURES: dict[str, type] = {
     "nvfp4_grouped_matmul": Nvfp4GroupedMatmul,
 }
 
-BACKENDS = ("xla", "pallas", "torch")
+BACKENDS = ("xla", "pallas", "torch", "tokamax")  # tokamax: single-op overrides
 _REGISTRY: dict[tuple[str, str], Callable] = {}
 
 
