@@ -310,14 +310,15 @@ def misc(bandwidth: float, args: argparse.Namespace) -> None:
         row(
             "rms_norm", f"{backend} [16384, 4096]", sec, of_bandwidth=2 * x.nbytes / sec / bandwidth
         )
-    sizes = jnp.asarray(np.random.default_rng(3).multinomial(8192, np.ones(64) / 64), jnp.int32)
-    xm = jax.random.normal(jax.random.key(13), (8192, 2048), BF)
-    wm = jax.random.normal(jax.random.key(14), (64, 2048, 1408), BF)
+    m, k, n = 8192 // SMOKE, 2048 // SMOKE, 1408 // SMOKE
+    sizes = jnp.asarray(np.random.default_rng(3).multinomial(m, np.ones(64) / 64), jnp.int32)
+    xm = jax.random.normal(jax.random.key(13), (m, k), BF)
+    wm = jax.random.normal(jax.random.key(14), (64, k, n), BF)
     for backend in ("xla", "pallas"):
         fn = jax.jit(get_op("grouped_matmul", backend))
         sec = timed(fn, xm, wm, sizes, iters=args.iters)
-        row("grouped matmul", f"{backend} 8192x2048->1408 E64", sec,
-            TFLOPs=2 * 8192 * 2048 * 1408 / sec / 1e12)  # fmt: skip
+        row("grouped matmul", f"{backend} {m}x{k}->{n} E64", sec, shape=[m, k, n, 64],
+            TFLOPs=2 * m * k * n / sec / 1e12)  # fmt: skip
     if args.peers:
         ours = jax.jit(get_op("grouped_matmul", "pallas"))(xm, wm, sizes)
         kernel_peers.ragged_dot(xm, wm, sizes, ours, timed, row, args.iters)

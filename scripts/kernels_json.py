@@ -30,7 +30,6 @@ def kernels_json(rows: list[dict], args: argparse.Namespace, bandwidth: float, s
         "sconv": f"[8, {conv_t}, 8448] w4",
         "sconv step": "[256, 8448] w4",
         "rms_norm": f"[{16384 // smoke}, 4096]",
-        "grouped matmul": "8192x2048->1408 E64",
     }
     out = []
     for r in rows:
