@@ -4,6 +4,9 @@ skipped, never ending the benchmark."""
 
 import argparse
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,3 +59,19 @@ def test_missing_peers_are_reported_not_raised(capsys) -> None:
         installed = importlib.util.find_spec(peer) is not None
         assert installed or f"FAILED ModuleNotFoundError: No module named '{peer}'" in printed
     assert reported == [] or all(r[0] in ("prefill attn", "sconv") for r in reported)
+
+
+def test_smoke_run_writes_the_json(tmp_path) -> None:
+    """The script end to end on the CPU (--smoke sizes, the norm and grouped-matmul section,
+    --peers): it finishes and its JSON holds our rows with rates, peers absent or not."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "kernels.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "scripts" / "bench_kernels.py"), "--smoke", "--peers",
+           "--only", "misc", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    ours = {(r["op"], r["impl"].split()[0]) for r in rows}
+    assert {("grouped matmul", "xla"), ("grouped matmul", "pallas"), ("rms_norm", "xla")} <= ours
+    assert all(r["rate"] > 0 and r["ms"] > 0 and r["unit"] for r in rows)
