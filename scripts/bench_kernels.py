@@ -9,7 +9,8 @@ bytes read + written) and bf16 matmul rate (8192^3). Then, bf16 unless stated:
   * paged decode attention, batch 64, context 8k, pages of 16: % of copy bandwidth over the
     KV bytes; pallas tile variants and the xla reference; batch 1 at 128k context
     (--long-context), split-KV (the registered op) and one split;
-  * Mamba2 chunked scan, 128 heads x 64, state 128, one group: tokens/s per layer;
+  * Mamba2 chunked scan, 128 heads x 64, state 128, one group: tokens/s per layer (tile
+    variants, and each sequence split into 2-16 pieces scanned side by side, `ssd_split`);
   * sconv (causal depthwise conv, width 4, silu) over [8, 2048, 8448]: % of bandwidth;
   * one-token Mamba2 state update and conv update at batch 256, RMSNorm, grouped matmul.
 Each time is the median of 5 timed loops of `--iters` calls (after a warmup call), the host
@@ -41,6 +42,7 @@ import numpy as np
 from backends.pallas.attention import paged_attention_tiled
 from backends.pallas.conv import causal_conv1d_tiled
 from backends.pallas.ssd import mamba2_scan_tiled
+from backends.pallas.ssd_split import mamba2_scan_split
 from backends.protocol import RelativeBias, get_op
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +54,7 @@ ROWS: list[dict] = []
 # Variant sweeps: one-pass scan (chunk, P slice, warps); sconv tiles (time rows, channels, warps)
 SCAN_ONE_PASS = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)]
 CONV_TILES = [(32, 128, 2), (32, 256, 4), (128, 128, 4), (16, 256, 4)]
+SCAN_PIECES = [2, 4, 8, 16]  # split scan: each sequence cut into this many rows (ssd_split)
 SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
 
 
@@ -227,8 +230,11 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         # (kernel, chunk, P slice, warps[, stages]): the two-phase kernels, then the one-pass one
         variants = [("xla", 128, 0, 0), ("two-phase", 128, 32, 0), ("two-phase", 64, 32, 0)]
         variants += [("registered", 0, 0, 0)] + [("one-pass", *v) for v in SCAN_ONE_PASS]
+        variants += [("split", 64, n, 0) for n in SCAN_PIECES]  # (P slice: the pieces)
         for kind, chunk, bp, warps, *stages in variants:
-            if kind in ("xla", "registered"):
+            if kind == "split":
+                fn = jax.jit(lambda *z, n=bp: mamba2_scan_split(*z, 64, n))
+            elif kind in ("xla", "registered"):
                 backend = "xla" if kind == "xla" else "pallas"
                 fn = bind("mamba2_scan", backend, chunk or 128)
             else:
@@ -237,6 +243,11 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
                 fn = jax.jit(lambda *z, ch=chunk, kw=tiles: mamba2_scan_tiled(*z, ch, **kw))
             name = f"{kind} B{bsz} T{t} chunk {chunk} p{bp} w{warps}"
             name += f" s{stages[0]}" if stages else ""
+            name = (
+                f"split B{bsz} T{t} into {bp} pieces (registered tiles)"
+                if kind == "split"
+                else name
+            )
             try:
                 out = fn(*ops)
                 ref = out if kind == "xla" else ref

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from backends.fused import Norm
 from backends.protocol import Ops
+from backends.ssd_rows import add_inflow, chain_states
 from hybridserve.cache.mamba_view import (
     in_place,
     read_conv,
@@ -37,7 +38,7 @@ from hybridserve.cache.mamba_view import (
 )
 from hybridserve.config import MambaConfig
 from hybridserve.layers.linear import Einsum, param
-from hybridserve.layers.mamba2_chain import add_inflow, carry_conv, chain_states
+from hybridserve.layers.mamba2_chain import carry_conv
 from hybridserve.layers.mamba2_decode import decode_fused, decode_ranks, step_in_place
 from hybridserve.layers.merged import MergedProjection, merge_per_rank
 from hybridserve.layers.step_input import StepInput

@@ -1,11 +1,11 @@
-"""The Mamba2 row chain of packed prefill (`layers.mamba2_chain.chain_states`) against the
+"""The Mamba2 row chain of packed prefill (`backends.ssd_rows.chain_states`) against the
 recurrence it unrolls, row by row in float64 numpy."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridserve.layers.mamba2_chain import chain_states
+from backends.ssd_rows import chain_states
 
 
 def reference(final: np.ndarray, log_decay: np.ndarray, continues: np.ndarray):
