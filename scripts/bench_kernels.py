@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,10 +45,10 @@ from backends.protocol import RelativeBias, get_op
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_peers  # noqa: E402
+from kernel_timing import ROWS, rel_err, row, timed  # noqa: E402
 from kernels_json import kernels_json  # noqa: E402
 
 BF = jnp.bfloat16
-ROWS: list[dict] = []
 # Variant sweeps: one-pass scan (chunk, P slice, warps); sconv tiles (time rows, channels, warps)
 SCAN_ONE_PASS = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)]
 CONV_TILES = [(32, 128, 2), (32, 256, 4), (128, 128, 4), (16, 256, 4)]
@@ -58,39 +56,10 @@ SCAN_PIECES = [2, 4, 8, 16]  # split scan: each sequence cut into this many rows
 SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
 
 
-def timed(fn: Callable, *args, iters: int = 20) -> float:
-    """Median seconds per call of a jitted fn (warmup first; loops of `iters` calls)."""
-    jax.block_until_ready(fn(*args))
-    loops = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        loops.append((time.perf_counter() - start) / iters)
-    return statistics.median(loops)
-
-
 def bind(op: str, backend: str, *tail) -> Callable:
     """`backend`'s `op` with trailing static arguments bound, jitted."""
     fn = get_op(op, backend)
     return jax.jit(lambda *arrays: fn(*arrays, *tail))
-
-
-def rel_err(got, ref) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    if not np.isfinite(got).all():
-        return float("nan")
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def row(section: str, variant: str, seconds: float, **extra) -> None:
-    ROWS.append({"section": section, "variant": variant, "ms": seconds * 1e3, **extra})
-    cols = " ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items()
-    )
-    print(f"{section:<18} {variant:<34} {seconds * 1e3:9.3f} ms  {cols}", flush=True)
 
 
 def ceilings() -> tuple[float, float]:
@@ -258,6 +227,7 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
                 print(f"mamba2 scan {name}: FAILED {type(exc).__name__}: {exc}"[:400])
         if args.peers and ref is not None:
             kernel_peers.scan(*ops, ref[0], row, args.iters)
+    scan_p80(args)
     bsz = 256  # one decode step
     keys = jax.random.split(jax.random.key(9), 5)
     state = jax.random.normal(keys[0], (bsz, nh, p, ns), jnp.float32)
@@ -270,6 +240,30 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         fn = jax.jit(get_op("mamba2_step", backend))
         sec = timed(fn, *step, iters=args.iters)
         row("mamba2 step", f"{backend} B{bsz}", sec, of_bandwidth=moved / sec / bandwidth)
+
+
+def scan_p80(args: argparse.Namespace) -> None:
+    """The 9B shape's prefill row (one row of 512 tokens, 128 heads x 80, 8 groups of state
+    128): the one-pass scan with P in slices of 16 (80 unpadded), 32 (96) and 64 (128)."""
+    keys = jax.random.split(jax.random.key(15), 6)
+    t, nh, p, g, ns = 512 // SMOKE, 128, 80, 8, 128
+    x = jax.random.normal(keys[0], (1, t, nh, p), BF)
+    dt = jax.nn.softplus(jax.random.normal(keys[1], (1, t, nh), jnp.float32) - 2).astype(BF)
+    b, c = (jax.random.normal(k, (1, t, g, ns), BF) for k in keys[2:4])
+    a = -jnp.exp(jax.random.normal(keys[4], (nh,), jnp.float32))
+    h0 = jax.random.normal(keys[5], (1, nh, p, ns), jnp.float32)
+    ops = (x, dt, a, b, c, jnp.ones((nh,), jnp.float32), h0)
+    ref = bind("mamba2_scan", "xla", 128)(*ops)
+    for bp in (16, 32, 64):
+        fn = jax.jit(lambda *z, bp=bp: mamba2_scan_tiled(*z, 64, block_p=bp, num_warps=4,
+                                                           one_pass=True))  # fmt: skip
+        try:
+            err = rel_err(fn(*ops)[0], ref[0])
+            sec = timed(fn, *ops, iters=args.iters)
+            row("mamba2 scan", f"one-pass P80 in slices of {bp}", sec, shape=list(x.shape),
+                tok_per_s=t / sec, rel_err=err)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            print(f"mamba2 scan P80 slices {bp}: FAILED {type(exc).__name__}: {exc}"[:400])
 
 
 def conv(bandwidth: float, args: argparse.Namespace) -> None:

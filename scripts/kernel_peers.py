@@ -30,45 +30,13 @@ tokamax asks for >= 2.23.1 but imports without it, hence --no-deps):
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from kernel_timing import rel_err, timed_torch
 
 Report = Callable[..., None]
-
-
-def rel_err(got, ref) -> float:
-    """Relative L2 error of `got` against `ref` (JAX or torch arrays), in float64."""
-    got, ref = (np.asarray(_host(a), np.float64) for a in (got, ref))
-    if not np.isfinite(got).all():
-        return float("nan")
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def _host(a) -> np.ndarray:
-    if hasattr(a, "detach"):  # a torch tensor
-        return a.detach().float().cpu().numpy()
-    return np.asarray(jnp.asarray(a, jnp.float32))
-
-
-def timed_torch(fn: Callable[[], object], iters: int) -> float:
-    """Median seconds per call of a torch callable (warmup first; CUDA synchronised)."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    loops = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        loops.append((time.perf_counter() - start) / iters)
-    return statistics.median(loops)
 
 
 def _failed(what: str, exc: Exception) -> None:

@@ -206,9 +206,12 @@ def mamba2_scan_tiled(
     length = min(next_pow2(min(chunk_size, t)), MAX_CHUNK)
     if not interp:
         length = max(length, 16)  # Triton's tl.dot wants every dim >= 16
-    tp, pp, nsp = round_up(t, length), next_pow2(p), next_pow2(ns)
+    tp, nsp = round_up(t, length), next_pow2(ns)
     nc = tp // length
-    bp = min(pp, max(block_p, 1 if interp else 16))
+    bp = min(next_pow2(p), max(block_p, 1 if interp else 16))
+    # whole slices of P for the one-pass kernel (80 in slices of 16: no padding; of 64: 128);
+    # the two-phase kernels take P whole, as one power-of-two tile
+    pp = round_up(p, bp) if one_pass else next_pow2(p)
     # Padding tokens carry dt = 0 and x = 0: the state passes through them unchanged.
     xs = pad_axis(pad_axis(x, 1, tp), 3, pp)
     dts = pad_axis(dt, 1, tp)

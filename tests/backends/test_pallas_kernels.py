@@ -307,10 +307,16 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
 S = jax.ShapeDtypeStruct
 
 
-def _one_pass_scan(*args):
+def _one_pass_scan(*args, block_p: int = 32):
     from backends.pallas.ssd import mamba2_scan_tiled
 
-    return mamba2_scan_tiled(*args, block_p=32, one_pass=True)
+    return mamba2_scan_tiled(*args, block_p=block_p, one_pass=True)
+
+
+def _split_scan(*args):
+    from backends.pallas.ssd_split import mamba2_scan_split
+
+    return mamba2_scan_split(*args)
 
 
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -339,6 +345,16 @@ LOWERING_CASES = {
         lambda *args: _one_pass_scan(*args, 64),
         (S((2, 100, 6, 64), BF), S((2, 100, 6), BF), S((6,), F32), S((2, 100, 1, 128), BF))
         + (S((2, 100, 1, 128), BF), S((6,), F32), S((2, 6, 64, 128), F32)),
+    ),
+    "mamba2_scan_p80_in_slices_of_16": (  # P = 80 unpadded: five slices of 16
+        lambda *args: _one_pass_scan(*args, 64, block_p=16),
+        (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 1, 128), BF))
+        + (S((1, 100, 1, 128), BF), S((6,), F32), S((1, 6, 80, 128), F32)),
+    ),
+    "mamba2_scan_split": (  # one sequence in 4 pieces, joined
+        lambda *args: _split_scan(*args, 64, 4),
+        (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 1, 128), BF))
+        + (S((1, 100, 1, 128), BF), S((6,), F32), S((1, 6, 80, 128), F32)),
     ),
     "mamba2_step_paged": (
         lambda *args: get_op("mamba2_step_paged", "pallas")(*args, 37, 8),
