@@ -11,7 +11,7 @@ state it ends with are
     h_i = e_{i-1} if continues[i] else 0,      e_i = f_i + g_i h_i     (per head)
 
 (`chain_states`), and a continuing row's outputs gain the inflow its zero start left out
-(`add_inflow`):
+(`add_inflow`; `join_rows` does both from a scan's outputs):
 
     y_t = y'_t + exp(cum_t) (h_i . c_t).
 
@@ -62,3 +62,19 @@ def add_inflow(y: jax.Array, c: jax.Array, cum: jax.Array, inflow: jax.Array) ->
     per_group = inflow.reshape(b, groups, heads // groups, p, -1)
     term = jnp.einsum("btgn,bgrpn->btgrp", c.astype(F32), per_group).reshape(b, t, heads, p)
     return (y.astype(F32) + jnp.exp(cum)[..., None] * term).astype(y.dtype)
+
+
+def join_rows(
+    y: jax.Array,
+    final: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    c: jax.Array,
+    continues: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The rows of one scan joined: `y` [B, T, Hs, P] and `final` [B, Hs, P, Ns] as each row
+    left them (continuing rows from zeros), with the row's dt [B, T, Hs], a [Hs], c [B, T, G, Ns]
+    and `continues` [B] -> (y with the inflow added, e: the state each row ends with)."""
+    cum = jnp.cumsum(dt.astype(F32) * a.astype(F32), axis=1)  # [B, T, Hs]
+    inflow, ends = chain_states(final, cum[:, -1], continues)
+    return add_inflow(y, c, cum, inflow), ends

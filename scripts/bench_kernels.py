@@ -212,11 +212,8 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
                 fn = jax.jit(lambda *z, ch=chunk, kw=tiles: mamba2_scan_tiled(*z, ch, **kw))
             name = f"{kind} B{bsz} T{t} chunk {chunk} p{bp} w{warps}"
             name += f" s{stages[0]}" if stages else ""
-            name = (
-                f"split B{bsz} T{t} into {bp} pieces (registered tiles)"
-                if kind == "split"
-                else name
-            )
+            if kind == "split":
+                name = f"split B{bsz} T{t} into {bp} pieces (registered tiles)"
             try:
                 out = fn(*ops)
                 ref = out if kind == "xla" else ref

@@ -109,13 +109,13 @@ def check(
     for backend in backends:
         try:
             got = run_backend(model, backend, "bfloat16", prompt, prompts, new_tokens)
+            exact = run_backend(model, backend, "float32", prompt, prompts, new_tokens)
         except Exception as exc:  # noqa: BLE001  (report, go on with the next backend)
             rows.append({"model": name, "backend": backend, "error": f"{exc}"[:300], "ok": False})
             print(json.dumps(rows[-1]), flush=True)
             continue
         same, total = agree(got["tokens"], ref["tokens"])
         err = rel(got["logits"], anchor["logits"])
-        exact = run_backend(model, backend, "float32", prompt, prompts, new_tokens)
         same32, _ = agree(exact["tokens"], anchor["tokens"])
         rows.append({
             "model": name, "backend": backend, "err_vs_xla_f32": err, "floor": floor,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from backends.pallas.ssd import mamba2_scan
-from backends.ssd_rows import add_inflow, chain_states
+from backends.ssd_rows import join_rows
 
 F32 = jnp.float32
 
@@ -52,9 +52,6 @@ def mamba2_scan_split(
     start = jnp.repeat(initial_state.astype(F32), pieces, axis=0)
     start = jnp.where(first[:, None, None, None], start, 0.0)
     y, final = mamba2_scan(xs, dts, a, bs, cs, d, start, chunk_size)
-    cum = jnp.cumsum(dts.astype(F32) * a.astype(F32), axis=1)  # [B * pieces, length, H]
-    continues = (~first).astype(jnp.int32)
-    inflow, ends = chain_states(final, cum[:, -1], continues)
-    y = add_inflow(y, cs, cum, inflow)
+    y, ends = join_rows(y, final, dts, a, cs, (~first).astype(jnp.int32))
     y = y.reshape(bsz, pieces * length, nh, p)[:, :t]
     return y, ends.reshape(bsz, pieces, *ends.shape[1:])[:, -1]

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from backends.fused import Norm
 from backends.protocol import Ops
-from backends.ssd_rows import add_inflow, chain_states
+from backends.ssd_rows import join_rows
 from hybridserve.cache.mamba_view import (
     in_place,
     read_conv,
@@ -244,9 +244,7 @@ class Mamba2(nnx.Module):
                 xs, dt, a, bs, cs, self.D[...], ssm_state, cfg.chunk_size
             )
             if chained:
-                cum = jnp.cumsum(dt * a, axis=1)  # [B, T, Hs]
-                inflow, ssm_state = chain_states(ssm_state, cum[:, -1], inputs.continues)
-                y = add_inflow(y, cs, cum, inflow)
+                y, ssm_state = join_rows(y, ssm_state, dt, a, cs, inputs.continues)
                 pages = jnp.where(inputs.last, pages, 0)  # one row per sequence stores
         if not paged:
             region = write_mamba(

@@ -14,8 +14,8 @@ on its own, as if it were a sequence, from a start state of its own, and then jo
           outputs gain the inflow the zero start left out (`add_inflow`):
             y_t = y'_t + exp(cum_t) (h_i . c_t).
           This is the chunked scan's own carry (`backends.xla.ssd`), with rows as chunks;
-          `chain_states` and `add_inflow` live in `backends.ssd_rows` (the split scan of one
-          long sequence uses them too).
+          `chain_states` and `add_inflow` (both: `join_rows`) live in `backends.ssd_rows`
+          (the split scan of one long sequence uses them too).
   store:  only the last row of a sequence (`StepInput.last`) writes the state page; the others
           write to the null page, whose rows are dropped.
 """
