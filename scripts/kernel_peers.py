@@ -14,13 +14,14 @@ installed or fails is printed as FAILED and skipped: the benchmark goes on.
   copy        torch `y = x + 1` over 2 GiB of bf16 (a second copy ceiling)
 
 The GPU machine has no network (and Python 3.12): download the pinned wheels here, carry the
-folder, install them there into a folder on PYTHONPATH (xprof 2.22.1 is the newest on PyPI;
-tokamax asks for >= 2.23.1 but imports without it, hence --no-deps):
+folder, install them there into a folder on PYTHONPATH (tokamax imports `xprof.cli`, which
+xprof has from 2.23 on, a manylinux_2_27 wheel; --no-deps keeps pip off the network):
 
     pip download --no-deps --only-binary=:all: --python-version 3.12 -d out/peerwheels \
-        --platform manylinux2014_x86_64 --platform any tokamax==0.0.17 einshape qwix \
-        immutabledict pydantic pydantic-core annotated-types typing-inspection tensorboardx \
-        xprof jaxtyping wadler-lindig typing-extensions absl-py fla-core==0.6.0 einops
+        --platform manylinux2014_x86_64 --platform manylinux_2_27_x86_64 --platform any \
+        tokamax==0.0.17 einshape qwix immutabledict pydantic pydantic-core annotated-types \
+        typing-inspection tensorboardx 'xprof>=2.23' jaxtyping wadler-lindig \
+        typing-extensions absl-py fla-core==0.6.0 einops
     # on the GPU machine (run with carry=["out/peerwheels"]):
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers \
         out/peerwheels/*.whl

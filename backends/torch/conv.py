@@ -44,7 +44,9 @@ def causal_conv1d(
         )  # [B, C, T]: y[t] = sum_k w[k] u[t + k]
         y = _activate(y, activation).transpose(1, 2).to(xt.dtype)
         # The new state is the W-1 inputs ending at the last valid token of each row.
-        idx = lt.long()[:, None] + torch.arange(width - 1)[None, :]  # [B, W-1] into u
+        idx = (
+            lt.long()[:, None] + torch.arange(width - 1, device=xt.device)[None, :]
+        )  # [B, W-1] into u
         new_state = torch.gather(u, 1, idx[:, :, None].expand(bsz, width - 1, ch))
         return y, new_state.transpose(1, 2).to(st.dtype)
 

@@ -32,7 +32,9 @@ def _scan(xt, dtt, at, bt, ct, dt_skip, h0, chunk_size: int):
     xs, dts, bs, cs_ = (v.reshape(bsz, nc, length, *v.shape[2:]) for v in (xs, dts, bs, cs_))
     cum = torch.cumsum(dts * at.float(), dim=2)  # [B, nc, L, Hs]
     seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [B, nc, i, j, Hs]
-    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None, None, :, :, None]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=xt.device))[
+        None, None, :, :, None
+    ]
     decay = torch.where(causal, torch.exp(torch.where(causal, seg, 0.0)), 0.0)
     scores = torch.einsum("bzihn,bzjhn->bzijh", cs_, bs) * decay
     y = torch.einsum("bzijh,bzjh,bzjhp->bzihp", scores, dts, xs)
