@@ -14,6 +14,7 @@ Dimension letters used in the shapes below:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Protocol
@@ -362,13 +363,29 @@ def get_op(op: str, backend: str) -> Callable:
 # their neighbours (batch-1 forward 5.37 ms against 5.73 all-pallas and 5.50 with xla norms
 # only; batch 64 within 1%).
 GPU_DEFAULT = "pallas,rms_norm=xla,gated_rms_norm=xla,causal_conv1d_step=xla"
+# Where tokamax is installed (the `cuda` extra on Python >= 3.12), its `ragged_dot` is the
+# grouped matmul: 232 TFLOP/s against our Triton kernel's 99 on an H200 (8192 x 2048 -> 1408,
+# 64 experts; BENCHMARKS.md, 2026-12-04), with the same greedy tokens as xla in the engine.
+GPU_TOKAMAX = "grouped_matmul=tokamax"
+
+
+@functools.cache
+def _available(backend: str) -> bool:
+    try:
+        _import_backend(backend)
+    except Exception:  # noqa: BLE001  (not installed, or installed but broken: not used)
+        return False
+    return True
 
 
 def default_backend(platform: str | None = None) -> str:
     """What `"auto"` means on `platform` (default: jax's): the fastest backend (with per-op
-    overrides) measured there: `GPU_DEFAULT` on GPUs, the xla reference elsewhere."""
+    overrides) measured there: `GPU_DEFAULT` on GPUs (with `GPU_TOKAMAX` when tokamax imports),
+    the xla reference elsewhere."""
     platform = jax.default_backend() if platform is None else platform
-    return GPU_DEFAULT if platform in ("gpu", "cuda") else "xla"
+    if platform not in ("gpu", "cuda"):
+        return "xla"
+    return f"{GPU_DEFAULT},{GPU_TOKAMAX}" if _available("tokamax") else GPU_DEFAULT
 
 
 def load_ops(backend: str = "xla", fallback: str | None = None) -> Ops:

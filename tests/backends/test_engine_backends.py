@@ -50,11 +50,15 @@ def test_greedy_tokens_match_xla(hf_checkpoint, backend, family):
 
 def test_auto_backend_and_per_op_overrides():
     """Backend "auto" is the reference on the CPU and pallas with XLA's norms and one-token conv
-    on GPUs (overrides after "auto" win); "BASE,OP=OTHER" takes one op from another backend; a
-    malformed override is refused with the ops it may name."""
-    from backends.protocol import GPU_DEFAULT, default_backend, get_op
+    on GPUs, with tokamax's grouped matmul where tokamax imports (overrides after "auto" win);
+    "BASE,OP=OTHER" takes one op from another backend; a malformed override is refused with the
+    ops it may name."""
+    from backends import protocol
+    from backends.protocol import GPU_DEFAULT, GPU_TOKAMAX, default_backend, get_op
 
-    assert default_backend("cpu") == "xla" and default_backend("gpu") == GPU_DEFAULT
+    tokamax = protocol._available("tokamax")
+    gpu = f"{GPU_DEFAULT},{GPU_TOKAMAX}" if tokamax else GPU_DEFAULT
+    assert default_backend("cpu") == "xla" and default_backend("gpu") == gpu
     assert GPU_DEFAULT.split(",")[0] == "pallas"
     ops = load_ops("auto")
     assert ops.backend == "xla" and ops.mamba2_step is get_op("mamba2_step", "xla")
@@ -67,3 +71,16 @@ def test_auto_backend_and_per_op_overrides():
     for bad in ("xla,mamba2_step_paged", "xla,no_such_op=pallas", "xla,rms_norm=nope"):
         with pytest.raises(BackendError):
             load_ops(bad)
+
+
+def test_gpu_default_takes_tokamax_only_where_it_imports(monkeypatch):
+    """On a GPU, "auto" adds tokamax's grouped matmul when the tokamax backend imports, and
+    leaves it out (no error) when it does not."""
+    from backends import protocol
+
+    for present in (True, False):
+        monkeypatch.setattr(protocol, "_available", lambda name, present=present: present)
+        got = protocol.default_backend("gpu")
+        assert got.startswith(protocol.GPU_DEFAULT)
+        assert (protocol.GPU_TOKAMAX in got) is present
+    assert protocol.default_backend("cpu") == "xla"
