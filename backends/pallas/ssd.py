@@ -172,12 +172,18 @@ def mamba2_scan(
     initial_state: jax.Array,
     chunk_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    # The one-pass kernel, whole heads per program, chunks of 64; 2 pipeline stages when there
-    # are many programs (one per row and head), 3 when there are few: fastest on an H200
-    # (BENCHMARKS.md).
+    # The one-pass kernel, chunks of 64; 2 pipeline stages when there are many programs (one
+    # per row, head and slice of P), 3 when there are few: fastest on an H200 (BENCHMARKS.md).
+    # P in slices of 64 where it divides, else of the largest power of two that does, so
+    # nothing is padded: P 80 in slices of 16 took 0.112 ms against 0.126 in (padded) 64s
+    # (the 9B prefill row, 512 tokens).
+    p = x.shape[3]
+    block_p = 64
+    while p % block_p and block_p > 16:
+        block_p //= 2
     stages = 2 if x.shape[0] * x.shape[2] >= 512 else 3
     return mamba2_scan_tiled(
-        x, dt, a, b, c, d, initial_state, min(chunk_size, 64), block_p=64, num_warps=4,
+        x, dt, a, b, c, d, initial_state, min(chunk_size, 64), block_p=block_p, num_warps=4,
         num_stages=stages, one_pass=True,
     )  # fmt: skip
 

@@ -351,6 +351,11 @@ LOWERING_CASES = {
         (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 1, 128), BF))
         + (S((1, 100, 1, 128), BF), S((6,), F32), S((1, 6, 80, 128), F32)),
     ),
+    "mamba2_scan_p80": (  # the registered op picks slices of 16 for P = 80
+        lambda *args: get_op("mamba2_scan", "pallas")(*args, 64),
+        (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 2, 128), BF))
+        + (S((1, 100, 2, 128), BF), S((6,), F32), S((1, 6, 80, 128), F32)),
+    ),
     "mamba2_scan_split": (  # one sequence in 4 pieces, joined
         lambda *args: _split_scan(*args, 64, 4),
         (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 1, 128), BF))
