@@ -1,4 +1,5 @@
-"""Grouped (ragged) matmul for mixture-of-experts layers, one torch matmul per expert."""
+"""Grouped (ragged) matmul for mixture-of-experts layers: torch's grouped matmul kernel (a loop of
+per-expert matmuls where it is missing), and the NVFP4 experts dequantised in torch."""
 
 from __future__ import annotations
 
@@ -10,21 +11,45 @@ from backends import nvfp4
 from backends.protocol import register
 from backends.torch.bridge import call
 
+# (device type, dtype) pairs where torch's `_grouped_mm` raised: they take the loop instead
+_NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()
+
+
+def _loop(xt: torch.Tensor, wt: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """One matmul per expert; reads the group ends on the host (a device sync on a GPU)."""
+    out = torch.zeros(xt.shape[0], wt.shape[2], dtype=torch.float32, device=xt.device)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = xt[start:end].float() @ wt[e].float()
+        start = max(start, end)
+    return out
+
+
+def _grouped(xt: torch.Tensor, wt: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul (`_grouped_mm`: one kernel, group ends read on the device, so no
+    sync); rows past the last group, which it leaves undefined, are zeroed. Falls back to the
+    per-expert loop where this device and dtype lack it."""
+    key = (xt.device.type, xt.dtype)
+    if key not in _NO_GROUPED_MM and hasattr(torch, "_grouped_mm"):
+        try:
+            out = torch._grouped_mm(xt, wt.to(xt.dtype), offs=ends.int())
+        except (RuntimeError, NotImplementedError):
+            _NO_GROUPED_MM.add(key)
+        else:
+            rows = torch.arange(xt.shape[0], device=xt.device)
+            return torch.where((rows < ends[-1])[:, None], out, 0)
+    return _loop(xt, wt, ends)
+
 
 @register("grouped_matmul", "torch")
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     out_dtype = jnp.result_type(x.dtype, w.dtype)
 
     def fn(xt, wt, st):
-        out = torch.zeros(xt.shape[0], wt.shape[2], dtype=torch.float32, device=xt.device)
-        ends = torch.cumsum(st.long(), 0).tolist()
-        start = 0
-        for e, end in enumerate(ends):
-            end = min(end, xt.shape[0])  # rows past sum(group_sizes) stay zero, as in ragged_dot
-            if end > start:
-                out[start:end] = xt[start:end].float() @ wt[e].float()
-            start = max(start, end)
-        return out
+        # rows past sum(group_sizes) stay zero, as in ragged_dot
+        ends = torch.cumsum(st.long(), 0).clamp(max=xt.shape[0])
+        return _grouped(xt, wt, ends)
 
     return call(fn, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), out_dtype), x, w, group_sizes)
 

@@ -342,6 +342,20 @@ def test_grouped_matmul(backend, sizes, dtype):
     _check(got, ref, dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_matmul_rows_past_the_groups_are_zero(backend):
+    """Rows beyond sum(group_sizes) come back as zeros (ragged_dot's contract), whatever the
+    kernel leaves there."""
+    ref_op, op = _ops("grouped_matmul", backend)
+    rng = _rng("gmm-tail", 1)
+    sizes = jnp.asarray([4, 0, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((13, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 24, 40)), jnp.float32)
+    ref, got = _both(ref_op, op, {}, x, w, sizes)
+    _check(got, ref, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got[7:]), 0.0)
+
+
 # --- outside jit ----------------------------------------------------------------------------
 
 
