@@ -52,6 +52,7 @@ BF = jnp.bfloat16
 # Variant sweeps: one-pass scan (chunk, P slice, warps); sconv tiles (time rows, channels, warps)
 SCAN_ONE_PASS = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)]
 CONV_TILES = [(32, 128, 2), (32, 256, 4), (128, 128, 4), (16, 256, 4)]
+CONV_TILES += [(32, 128, 2, 1), (64, 128, 4, 1), (32, 256, 4, 1)]  # 1: tile 0 launched apart
 SCAN_PIECES = [2, 4, 8, 16]  # split scan: each sequence cut into this many rows (ssd_split)
 SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
 
@@ -281,14 +282,18 @@ def conv(bandwidth: float, args: argparse.Namespace) -> None:
         err = rel_err(outs[backend][0], outs["xla"][0])
         row("sconv", f"{backend} [{bsz},{t},{ch}] w{width}", sec,
             GBps=moved / sec / 1e9, of_bandwidth=moved / sec / bandwidth, rel_err=err)  # fmt: skip
-    for bt, bc, warps, approx in [(64, 128, 4, False)] + [(*v, None) for v in CONV_TILES]:
-        fn = jax.jit(lambda *z, bt=bt, bc=bc, w=warps, a=approx: causal_conv1d_tiled(
-            *z, "silu", block_t=bt, block_c=bc, num_warps=w, approx=a))  # fmt: skip
+    variants = [(64, 128, 4, False, 0)]  # (block_t, block_c, warps, approx silu, split)
+    variants += [(*v[:3], None, v[3] if len(v) > 3 else 0) for v in CONV_TILES]
+    for bt, bc, warps, approx, split in variants:
+        fn = jax.jit(lambda *z, bt=bt, bc=bc, w=warps, a=approx, sp=split: causal_conv1d_tiled(
+            *z, "silu", block_t=bt, block_c=bc, num_warps=w, approx=a,
+            split_first=bool(sp)))  # fmt: skip
         try:
             err = rel_err(fn(x, state, w, bias, lengths)[0], outs["xla"][0])
             sec = timed(fn, x, state, w, bias, lengths, iters=args.iters)
             gbps = moved / sec
             silu = "exact" if approx is False else "auto (tanh.approx for bf16 on GPU)"
+            silu += ", tile 0 launched apart" if split else ""
             row("sconv", f"pallas tiles {bt} x {bc} w{warps} silu {silu}", sec,
                 GBps=gbps / 1e9, of_bandwidth=gbps / bandwidth, rel_err=err)  # fmt: skip
         except Exception as exc:  # noqa: BLE001
@@ -347,7 +352,7 @@ def main() -> None:
     parser.add_argument("--prefill-tiles", help=f"page,block_m,block_k,warps,stages: {tiles}")
     parser.add_argument("--decode-tiles", help=f"page,block_k,warps,stages: {tiles}")
     parser.add_argument("--scan-tiles", help=f"chunk,block_p,warps,stages (one-pass): {tiles}")
-    parser.add_argument("--conv-tiles", help=f"block_t,block_c,warps: {tiles}")
+    parser.add_argument("--conv-tiles", help=f"block_t,block_c,warps[,split]: {tiles}")
     args = parser.parse_args()
     if args.smoke:
         global SMOKE

@@ -79,9 +79,23 @@ def _load(ref, idx, mask):
     return ref[idx] if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
 
 
-def _conv_kernel(len_ref, x_ref, s_ref, w_ref, *refs, width, t, ch, bt, bc, activation, approx):
-    *b_ref, y_ref, ns_ref = refs
-    i, j = pl.program_id(1), pl.program_id(2)
+def _conv_kernel(
+    len_ref, x_ref, s_ref, w_ref, *refs, width, t, ch, bt, bc, activation, approx, part="all"
+):
+    """One [BT, BC] tile of y (and, on time tile 0, the new state). `part`: "all" (grid
+    (b, i, j), a `cond` picks the first tile's reads), "body" (grid (b, i, j) over tiles 1..,
+    plain windows only, no state) or "first" (grid (b, j): tile 0 and the new state; y comes in
+    aliased as the last input, its other tiles already written by "body")."""
+    if part == "first":
+        *b_ref, _y_in, y_ref, ns_ref = refs
+        i, j = 0, pl.program_id(1)
+    elif part == "body":
+        *b_ref, y_ref = refs
+        ns_ref = None
+        i, j = pl.program_id(1) + 1, pl.program_id(2)
+    else:
+        *b_ref, y_ref, ns_ref = refs
+        i, j = pl.program_id(1), pl.program_id(2)
     dtype = x_ref.dtype
     cols = jax.lax.broadcasted_iota(jnp.int32, (bc,), 0)  # channel within the block
     col_ok = (j * bc + cols < ch) if ch % bc else None  # [BC], ragged last channel block
@@ -113,7 +127,9 @@ def _conv_kernel(len_ref, x_ref, s_ref, w_ref, *refs, width, t, ch, bt, bc, acti
             acc = acc + _load(b_ref[0], (pl.ds(0, bc),), col_ok).astype(F32)[None, :]
         return acc
 
-    if t <= bt:  # one time tile
+    if part == "body":
+        acc = accumulate(False)
+    elif part == "first" or t <= bt:  # the first (or only) time tile
         acc = accumulate(True)
     else:
         acc = jax.lax.cond(i == 0, lambda: accumulate(True), lambda: accumulate(False))
@@ -124,20 +140,22 @@ def _conv_kernel(len_ref, x_ref, s_ref, w_ref, *refs, width, t, ch, bt, bc, acti
     else:
         plgpu.store(y_ref.at[pl.ds(0, bt), pl.ds(0, bc)], y, mask=mask)
 
+    if ns_ref is None:
+        return
     # New state (time tile 0): u[len + k], k < W-1, with u = [state, x] (u-position p < W-1 is
     # state column p, else x row p - (W-1)).
-    first = i == 0
+    first = (i == 0) if part == "all" else None  # "first" programs are all tile 0
     length = jnp.clip(len_ref[0], 0, t)
     for k in range(width - 1):
         src = length + k - (width - 1)
         in_x = src >= 0
         new = plgpu.load(
             x_ref.at[jnp.clip(src, 0, t - 1), pl.ds(0, bc)],
-            mask=_all(first & in_x, col_ok),
+            mask=_all(first, in_x, col_ok),
             other=0,
         )
         si = jnp.clip(length + k, 0, width - 2)
-        old = plgpu.load(s_ref.at[cols, si], mask=_all(first & ~in_x, col_ok), other=0)
+        old = plgpu.load(s_ref.at[cols, si], mask=_all(first, ~in_x, col_ok), other=0)
         new = jnp.where(in_x, new, old.astype(dtype)).astype(ns_ref.dtype)
         plgpu.store(ns_ref.at[cols, k], new, mask=_all(first, col_ok))
 
@@ -170,9 +188,12 @@ def causal_conv1d_tiled(
     block_c: int = BLOCK_C,
     num_warps: int | None = None,
     approx: bool | None = None,
+    split_first: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`causal_conv1d` with explicit tiles (powers of two; the benchmark sweeps them). `approx`:
-    silu through the hardware tanh (default: on GPU for 16-bit x)."""
+    silu through the hardware tanh (default: on GPU for 16-bit x). `split_first`: two launches
+    instead of one `cond` per program, the tiles after the first (plain windows, no state: a
+    smaller kernel) and then time tile 0 with the new state, writing into the same y."""
     bsz, t, ch = x.shape
     width = _check(weight, activation)
     if bsz == 0 or t == 0 or ch == 0:  # nothing valid: y is empty, the state carries over
@@ -184,33 +205,56 @@ def causal_conv1d_tiled(
     kernel = functools.partial(
         _conv_kernel, width=width, t=t, ch=ch, bt=bt, bc=bc, activation=activation, approx=approx
     )
-    in_specs = [
-        pl.BlockSpec((1,), lambda b, i, j: (b,)),
-        pl.BlockSpec((None, t, bc), lambda b, i, j: (b, 0, j)),  # x, indexed in the kernel
-        pl.BlockSpec((None, bc, width - 1), lambda b, i, j: (b, j, 0)),
-        pl.BlockSpec((bc, width), lambda b, i, j: (j, 0)),
-    ]
-    args = [lengths.astype(jnp.int32), x, state, weight]
-    if bias is not None:
-        in_specs.append(pl.BlockSpec((bc,), lambda b, i, j: (j,)))
-        args.append(bias)
-    y, new_state = pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((bsz, t, ch), x.dtype),
-            jax.ShapeDtypeStruct((bsz, ch, width - 1), state.dtype),
-        ),
-        grid=(bsz, pl.cdiv(t, bt), pl.cdiv(ch, bc)),
-        in_specs=in_specs,
-        out_specs=(
-            pl.BlockSpec((None, bt, bc), lambda b, i, j: (b, i, j)),
-            pl.BlockSpec((None, bc, width - 1), lambda b, i, j: (b, j, 0)),
-        ),
+    nt, nc = pl.cdiv(t, bt), pl.cdiv(ch, bc)
+    params = triton_params(num_warps or max(1, min(8, bt * bc // 2048)))
+    y_shape = jax.ShapeDtypeStruct((bsz, t, ch), x.dtype)
+    state_shape = jax.ShapeDtypeStruct((bsz, ch, width - 1), state.dtype)
+    args = [lengths.astype(jnp.int32), x, state, weight] + ([] if bias is None else [bias])
+
+    def specs(first_only: bool) -> list[pl.BlockSpec]:
+        """Input specs for grid (b, i, j), or (b, j) when `first_only`."""
+        at = (lambda f: lambda b, j: f(b, 0, j)) if first_only else (lambda f: f)
+        out = [
+            pl.BlockSpec((1,), at(lambda b, i, j: (b,))),
+            pl.BlockSpec((None, t, bc), at(lambda b, i, j: (b, 0, j))),  # x, indexed inside
+            pl.BlockSpec((None, bc, width - 1), at(lambda b, i, j: (b, j, 0))),
+            pl.BlockSpec((bc, width), at(lambda b, i, j: (j, 0))),
+        ]
+        return out + ([] if bias is None else [pl.BlockSpec((bc,), at(lambda b, i, j: (j,)))])
+
+    state_spec = pl.BlockSpec((None, bc, width - 1), lambda b, *g: (b, g[-1], 0))
+    if not split_first or nt == 1:
+        return pl.pallas_call(
+            kernel,
+            out_shape=(y_shape, state_shape),
+            grid=(bsz, nt, nc),
+            in_specs=specs(False),
+            out_specs=(pl.BlockSpec((None, bt, bc), lambda b, i, j: (b, i, j)), state_spec),
+            interpret=interpret(),
+            compiler_params=params,
+            name="causal_conv1d",
+        )(*args)
+    y = pl.pallas_call(
+        functools.partial(kernel, part="body"),
+        out_shape=y_shape,
+        grid=(bsz, nt - 1, nc),
+        in_specs=specs(False),
+        out_specs=pl.BlockSpec((None, bt, bc), lambda b, i, j: (b, i + 1, j)),
         interpret=interpret(),
-        compiler_params=triton_params(num_warps or max(1, min(8, bt * bc // 2048))),
-        name="causal_conv1d",
+        compiler_params=params,
+        name="causal_conv1d_body",
     )(*args)
-    return y, new_state
+    return pl.pallas_call(
+        functools.partial(kernel, part="first"),
+        out_shape=(y_shape, state_shape),
+        grid=(bsz, nc),
+        in_specs=specs(True) + [pl.BlockSpec(memory_space=pl.ANY)],  # y, aliased to output 0
+        out_specs=(pl.BlockSpec((None, bt, bc), lambda b, j: (b, 0, j)), state_spec),
+        input_output_aliases={len(args): 0},
+        interpret=interpret(),
+        compiler_params=params,
+        name="causal_conv1d_first",
+    )(*args, y)
 
 
 def _step_kernel(x_ref, s_ref, w_ref, b_ref, y_ref, ns_ref, *, width, activation):

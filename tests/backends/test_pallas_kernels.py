@@ -125,17 +125,21 @@ def test_causal_conv1d_several_tiles(shape, width):
         np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
 
 
+@pytest.mark.parametrize("split_first", [False, True])
 @pytest.mark.parametrize("block_t,block_c", [(16, 32), (4, 512), (256, 128)])
-def test_causal_conv1d_other_tiles(block_t, block_c):
+def test_causal_conv1d_other_tiles(block_t, block_c, split_first):
     # The benchmark's tile sweep: small tiles (many programs, ragged everywhere), 4-row tiles
-    # (the smallest that keeps the width-4 window after the first tile inside x), one time tile.
+    # (the smallest that keeps the width-4 window after the first tile inside x), one time tile;
+    # in one launch, or split (the tiles after the first, then tile 0 and the state into y).
     from backends.pallas.conv import causal_conv1d_tiled
 
     bsz, t, ch, width = 3, 150, 300, 4
     rng = _rng(9, block_t, block_c)
     x, state, w, b = _conv_inputs(rng, bsz, t, ch, width, jnp.float32)
     lengths = jnp.array([t, 5, 97], jnp.int32)
-    conv = functools.partial(causal_conv1d_tiled, block_t=block_t, block_c=block_c)
+    conv = functools.partial(
+        causal_conv1d_tiled, block_t=block_t, block_c=block_c, split_first=split_first
+    )
     y, s = jax.jit(conv, static_argnums=(5,))(x, state, w, b, lengths, "silu")
     y_ref, s_ref = _jit("causal_conv1d", "xla", (5,))(x, state, w, b, lengths, "silu")
     _finite(y, s)
@@ -313,6 +317,12 @@ def _one_pass_scan(*args, block_p: int = 32):
     return mamba2_scan_tiled(*args, block_p=block_p, one_pass=True)
 
 
+def _split_conv(*args):
+    from backends.pallas.conv import causal_conv1d_tiled
+
+    return causal_conv1d_tiled(*args, block_t=16, split_first=True)
+
+
 def _split_scan(*args):
     from backends.pallas.ssd_split import mamba2_scan_split
 
@@ -325,6 +335,10 @@ BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 LOWERING_CASES = {
     "causal_conv1d": (
         lambda x, s, w, b, n: get_op("causal_conv1d", "pallas")(x, s, w, b, n, "silu"),
+        (S((4, 37, 70), BF), S((4, 70, 2), BF), S((70, 3), BF), S((70,), BF), S((4,), I32)),
+    ),
+    "causal_conv1d_split_first": (
+        lambda x, s, w, b, n: _split_conv(x, s, w, b, n, "silu"),
         (S((4, 37, 70), BF), S((4, 70, 2), BF), S((70, 3), BF), S((70,), BF), S((4,), I32)),
     ),
     "causal_conv1d_step": (
