@@ -31,6 +31,7 @@ Input buffers are XLA's and may be shared: the ops must not modify their inputs 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -71,15 +72,19 @@ def _is_concrete(a: jax.Array) -> bool:
 
 
 class _Callback:
-    """The buffer callback of one `call` inside jit (steps 2-5 of the module docstring)."""
+    """The buffer callback of one `call` inside jit (steps 2-5 of the module docstring);
+    `name` (the torch function's) is for diagnostics (`scripts/check_torch_backend.py`)."""
 
-    def __init__(self, run: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]) -> None:
+    def __init__(
+        self, run: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]], name: str = ""
+    ) -> None:
         self.run = run
+        self.name = name
 
     def __call__(self, ctx, outs, *inputs) -> None:
         on_gpu = any(b.__dlpack_device__()[0] == _DL_CUDA for b in (*inputs, *outs))
         # XLA's stream becomes torch's before any buffer is wrapped (DLPack is told that stream)
-        scope = torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream)) if on_gpu else _NO_SCOPE
+        scope = torch.cuda.stream(_external_stream(int(ctx.stream))) if on_gpu else _NO_SCOPE
         with scope:
             tensors = [torch.from_dlpack(b) for b in inputs]
             targets = [torch.from_dlpack(b) for b in outs]
@@ -89,6 +94,12 @@ class _Callback:
 
 _DL_CUDA = 2  # DLPack's device type of CUDA memory
 _NO_SCOPE = contextlib.nullcontext()
+
+
+@functools.cache
+def _external_stream(handle: int) -> torch.cuda.ExternalStream:
+    """torch's handle on one of XLA's streams (a few per device, made once each)."""
+    return torch.cuda.ExternalStream(handle)
 
 
 def call(
@@ -128,5 +139,6 @@ def call(
             for t, s in zip(outs, specs, strict=True)
         )
     else:
-        results = buffer_callback(_Callback(run), specs, vmap_method="sequential")(*operands)
+        callback = _Callback(run, getattr(fn, "__qualname__", ""))
+        results = buffer_callback(callback, specs, vmap_method="sequential")(*operands)
     return results[0] if single else tuple(results)
