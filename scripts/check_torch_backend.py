@@ -25,6 +25,7 @@ import argparse
 import collections
 import gc
 import json
+import os
 import time
 
 import numpy as np
@@ -80,8 +81,12 @@ def run(
     detail: bool = False,
     overlap: bool = True,
 ) -> dict:
-    """One engine: warmup, then the timed greedy generation (then `breakdown` if `detail`)."""
-    llm = LLM(model, dtype="float32", backend=backend, max_model_len=512,
+    """One engine: warmup, then the timed greedy generation (then `breakdown` if `detail`).
+    A backend named `torch+graphs` is torch with `HYBRIDSERVE_TORCH_GRAPHS=1` (the bridge's
+    callbacks traced into XLA's command buffers)."""
+    graphs = backend.endswith("+graphs")
+    os.environ["HYBRIDSERVE_TORCH_GRAPHS"] = "1" if graphs else "0"
+    llm = LLM(model, dtype="float32", backend=backend.removesuffix("+graphs"), max_model_len=512,
               max_num_seqs=len(prompts), max_num_batched_tokens=256, progress=False,
               async_scheduling=overlap)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -113,7 +118,12 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--prompts", type=int, default=8, help="rows decoded together (8)")
     parser.add_argument("--new-tokens", type=int, default=48, help="greedy tokens a row (48)")
-    parser.add_argument("--backends", nargs="+", default=["xla", "auto", "torch"])
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["xla", "auto", "torch"],
+        help="engines to run (default xla auto torch; torch+graphs: experimental, see run())",
+    )
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument(
         "--breakdown", action="store_true", help="count the torch engine's callbacks (see above)"
@@ -132,7 +142,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for backend in args.backends:
         try:
-            detail = args.breakdown and backend.split(",")[0] == "torch"
+            detail = args.breakdown and backend.split(",")[0].startswith("torch")
             results[backend] = run(
                 backend, args.model, prompts, args.new_tokens, detail, args.overlap
             )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -96,6 +97,14 @@ _DL_CUDA = 2  # DLPack's device type of CUDA memory
 _NO_SCOPE = contextlib.nullcontext()
 
 
+def _graphs() -> bool:
+    """`HYBRIDSERVE_TORCH_GRAPHS=1` (experimental, read at trace time): let XLA trace the torch
+    calls into its command buffers (CUDA graphs), so the Python of a callback runs once and its
+    kernels are replayed, instead of running on every step. It needs every torch op to be
+    capturable (no host syncs, no new device allocations while capturing)."""
+    return os.environ.get("HYBRIDSERVE_TORCH_GRAPHS", "0") == "1"
+
+
 @functools.cache
 def _external_stream(handle: int) -> torch.cuda.ExternalStream:
     """torch's handle on one of XLA's streams (a few per device, made once each)."""
@@ -140,5 +149,7 @@ def call(
         )
     else:
         callback = _Callback(run, getattr(fn, "__qualname__", ""))
-        results = buffer_callback(callback, specs, vmap_method="sequential")(*operands)
+        results = buffer_callback(
+            callback, specs, vmap_method="sequential", command_buffer_compatible=_graphs()
+        )(*operands)
     return results[0] if single else tuple(results)
