@@ -53,6 +53,8 @@ BF = jnp.bfloat16
 SCAN_ONE_PASS = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2)]
 CONV_TILES = [(32, 128, 2), (32, 256, 4), (128, 128, 4), (16, 256, 4)]
 CONV_TILES += [(32, 128, 2, 1), (64, 128, 4, 1), (32, 256, 4, 1)]  # 1: tile 0 launched apart
+# one-pass scan with c b^T computed once per group and chunk (shared_scores): same tile tuples
+SCAN_SHARED = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (64, 16, 4, 2)]
 SCAN_PIECES = [2, 4, 8, 16]  # split scan: each sequence cut into this many rows (ssd_split)
 SMOKE = 1  # --smoke: every size divided by 64, to check the script on a CPU (interpret mode)
 
@@ -200,6 +202,7 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
         # (kernel, chunk, P slice, warps[, stages]): the two-phase kernels, then the one-pass one
         variants = [("xla", 128, 0, 0), ("two-phase", 128, 32, 0), ("two-phase", 64, 32, 0)]
         variants += [("registered", 0, 0, 0)] + [("one-pass", *v) for v in SCAN_ONE_PASS]
+        variants += [("shared", *v) for v in SCAN_SHARED]
         variants += [("split", 64, n, 0) for n in SCAN_PIECES]  # (P slice: the pieces)
         for kind, chunk, bp, warps, *stages in variants:
             if kind == "split":
@@ -208,8 +211,9 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
                 backend = "xla" if kind == "xla" else "pallas"
                 fn = bind("mamba2_scan", backend, chunk or 128)
             else:
-                tiles = dict(block_p=bp, num_warps=warps or None, one_pass=kind == "one-pass",
-                             num_stages=stages[0] if stages else None)  # fmt: skip
+                tiles = dict(block_p=bp, num_warps=warps or None, one_pass=kind != "two-phase",
+                             num_stages=stages[0] if stages else None,
+                             shared_scores=kind == "shared")  # fmt: skip
                 fn = jax.jit(lambda *z, ch=chunk, kw=tiles: mamba2_scan_tiled(*z, ch, **kw))
             name = f"{kind} B{bsz} T{t} chunk {chunk} p{bp} w{warps}"
             name += f" s{stages[0]}" if stages else ""
@@ -242,7 +246,8 @@ def ssm(bandwidth: float, args: argparse.Namespace) -> None:
 
 def scan_p80(args: argparse.Namespace) -> None:
     """The 9B shape's prefill row (one row of 512 tokens, 128 heads x 80, 8 groups of state
-    128): the one-pass scan with P in slices of 16 (80 unpadded), 32 (96) and 64 (128)."""
+    128): the one-pass scan with P in slices of 16 (80 unpadded), 32 (96) and 64 (128), and
+    with c b^T shared by the heads of a group."""
     keys = jax.random.split(jax.random.key(15), 6)
     t, nh, p, g, ns = 512 // SMOKE, 128, 80, 8, 128
     x = jax.random.normal(keys[0], (1, t, nh, p), BF)
@@ -252,17 +257,19 @@ def scan_p80(args: argparse.Namespace) -> None:
     h0 = jax.random.normal(keys[5], (1, nh, p, ns), jnp.float32)
     ops = (x, dt, a, b, c, jnp.ones((nh,), jnp.float32), h0)
     ref = bind("mamba2_scan", "xla", 128)(*ops)
-    for bp in (0, 16, 32, 64):  # 0: the registered op
-        fn = jax.jit(lambda *z, bp=bp: mamba2_scan_tiled(*z, 64, block_p=bp, num_warps=4,
-                                                           one_pass=True))  # fmt: skip
+    # (P slice, c b^T shared); slice 0: the registered op
+    for bp, shared in ((0, False), (16, False), (32, False), (64, False), (16, True), (32, True)):
+        fn = jax.jit(lambda *z, bp=bp, sh=shared: mamba2_scan_tiled(
+            *z, 64, block_p=bp, num_warps=4, one_pass=True, shared_scores=sh))  # fmt: skip
         fn = bind("mamba2_scan", "pallas", 64) if bp == 0 else fn
         name = "registered P80" if bp == 0 else f"one-pass P80 in slices of {bp}"
+        name += ", c b^T shared" if shared else ""
         try:
             err = rel_err(fn(*ops)[0], ref[0])
             sec = timed(fn, *ops, iters=args.iters)
             row("mamba2 scan", name, sec, shape=list(x.shape), tok_per_s=t / sec, rel_err=err)
         except Exception as exc:  # noqa: BLE001
-            print(f"mamba2 scan P80 slices {bp}: FAILED {type(exc).__name__}: {exc}"[:400])
+            print(f"mamba2 scan {name}: FAILED {type(exc).__name__}: {exc}"[:400])
 
 
 def conv(bandwidth: float, args: argparse.Namespace) -> None:

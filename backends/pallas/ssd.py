@@ -129,11 +129,14 @@ def _pass_kernel(c_ref, cum_ref, last_ref, s_ref, h0_ref, yd_ref, y_ref, hf_ref,
 
 
 def _fused_kernel(
-    x_ref, dt_ref, cum_ref, last_ref, b_ref, c_ref, d_ref, h0_ref, y_ref, hf_ref, *, length
+    x_ref, dt_ref, cum_ref, last_ref, b_ref, c_ref, d_ref, h0_ref, *refs, length, shared=False
 ):
     """One pass, one (row, head, slice of P): walk the chunks in order with the state in
     registers; each chunk's output is its own part plus the inflow from the carried state, and
-    its state contribution is added before the next chunk (no chunk states in memory)."""
+    its state contribution is added before the next chunk (no chunk states in memory).
+    `shared`: the chunks' `c b^T` [L, L] come in precomputed (one per group and chunk, float32),
+    instead of every head and slice of P recomputing them."""
+    cb_ref, y_ref, hf_ref = refs if shared else (None, *refs)
     n_chunks = last_ref.shape[0]
     d = d_ref[0].astype(F32)
     pos = jnp.arange(length, dtype=jnp.int32)
@@ -146,7 +149,8 @@ def _fused_kernel(
         cum = cum_ref[rows]  # [L]
         b, c = b_ref[rows, :], c_ref[rows, :]  # [L, Ns]
         decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        scores = dot(c, b, 1, 1) * decay * dt[None, :]  # [L, L]
+        cb = cb_ref[rows, :] if shared else dot(c, b, 1, 1)  # [L, L]
+        scores = cb * decay * dt[None, :]
         y = dot(scores.astype(x.dtype), x, 1, 0) + d * x.astype(F32)
         y += jnp.exp(cum)[:, None] * dot(c, h.astype(c.dtype), 1, 1)
         y_ref[rows, :] = y.astype(y_ref.dtype)
@@ -202,9 +206,12 @@ def mamba2_scan_tiled(
     num_warps: int | None = None,
     num_stages: int | None = None,
     one_pass: bool = False,
+    shared_scores: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`mamba2_scan` with explicit tiles (the benchmark sweeps them): `block_p` state rows per
-    sequential program; `one_pass` runs the fused kernel instead of the two phases."""
+    sequential program; `one_pass` runs the fused kernel instead of the two phases;
+    `shared_scores` (one pass only): each chunk's `c b^T` computed once per group in XLA
+    (float32, [B, G, T, L]) and read by every head of the group and slice of P."""
     bsz, t, nh, p = x.shape
     groups, ns = b.shape[2], b.shape[3]
     rep = nh // groups
@@ -239,25 +246,27 @@ def mamba2_scan_tiled(
         jax.ShapeDtypeStruct((bsz, nh, pp, nsp), F32),
     )
     if one_pass:
+        in_specs = [seq_tok(bp), seq_vec, seq_vec, seq_last, seq_grp, seq_grp]
+        in_specs += [pl.BlockSpec((1,), lambda i, h, j: (h,)), seq_state]
+        args = [xs, dts, cum, last, bs, cs, d, h0]
+        if shared_scores:  # cb[b, g, z L + i, j] = c[z L + i] . b[z L + j] within chunk z
+            chunked = lambda v: v.reshape(bsz, nc, length, groups, nsp)  # noqa: E731
+            cb = jnp.einsum("bzign,bzjgn->bgzij", chunked(cs), chunked(bs),
+                            preferred_element_type=F32)  # fmt: skip
+            args.append(cb.reshape(bsz, groups, tp, length))
+            in_specs.append(
+                pl.BlockSpec((None, None, tp, length), lambda i, h, j: (i, h // rep, 0, 0))
+            )
         y, final = pl.pallas_call(
-            functools.partial(_fused_kernel, length=length),
+            functools.partial(_fused_kernel, length=length, shared=shared_scores),
             out_shape=out_shape,
             grid=(bsz, nh, pp // bp),
-            in_specs=[
-                seq_tok(bp),
-                seq_vec,
-                seq_vec,
-                seq_last,
-                seq_grp,
-                seq_grp,
-                pl.BlockSpec((1,), lambda i, h, j: (h,)),
-                seq_state,
-            ],
+            in_specs=in_specs,
             out_specs=(seq_tok(bp), seq_state),
             interpret=interp,
             compiler_params=triton_params(num_warps, num_stages),
             name="mamba2_one_pass",
-        )(xs, dts, cum, last, bs, cs, d, h0)
+        )(*args)
         return y[:, :t, :, :p], final[:, :, :p, :ns]
     tok = lambda w: pl.BlockSpec((None, length, None, w), lambda i, k, h: (i, k, h, 0))  # noqa: E731
     grp = pl.BlockSpec((None, length, None, nsp), lambda i, k, h: (i, k, h // rep, 0))

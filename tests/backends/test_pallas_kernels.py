@@ -190,13 +190,17 @@ def test_mamba2_step_matches_xla(nh, g, p, ns, dtype):
         (9, 64, (4, 4, 8, 16)),
     ],
 )
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two_phase", "one_pass"])
-def test_mamba2_scan_matches_xla(t, chunk, shape, dtype, one_pass):
+@pytest.mark.parametrize(
+    "one_pass,shared",
+    [(False, False), (True, False), (True, True)],
+    ids=["two_phase", "one_pass", "one_pass_shared_scores"],
+)
+def test_mamba2_scan_matches_xla(t, chunk, shape, dtype, one_pass, shared):
     from backends.pallas.ssd import mamba2_scan_tiled
 
     nh, g, p, ns = shape
     args = _ssm_inputs(_rng(6, t, nh), 2, t, nh, p, g, ns, dtype)
-    scan = functools.partial(mamba2_scan_tiled, block_p=4, one_pass=one_pass)
+    scan = functools.partial(mamba2_scan_tiled, block_p=4, one_pass=one_pass, shared_scores=shared)
     y, h = jax.jit(scan, static_argnums=(7,))(*args, chunk)
     y_ref, h_ref = _jit("mamba2_scan", "xla", (7,))(*args, chunk)
     _finite(y, h)
@@ -311,10 +315,10 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
 S = jax.ShapeDtypeStruct
 
 
-def _one_pass_scan(*args, block_p: int = 32):
+def _one_pass_scan(*args, block_p: int = 32, shared_scores: bool = False):
     from backends.pallas.ssd import mamba2_scan_tiled
 
-    return mamba2_scan_tiled(*args, block_p=block_p, one_pass=True)
+    return mamba2_scan_tiled(*args, block_p=block_p, one_pass=True, shared_scores=shared_scores)
 
 
 def _split_conv(*args):
@@ -367,6 +371,11 @@ LOWERING_CASES = {
     ),
     "mamba2_scan_p80": (  # the registered op picks slices of 16 for P = 80
         lambda *args: get_op("mamba2_scan", "pallas")(*args, 64),
+        (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 2, 128), BF))
+        + (S((1, 100, 2, 128), BF), S((6,), F32), S((1, 6, 80, 128), F32)),
+    ),
+    "mamba2_scan_shared_scores": (  # c b^T once per group and chunk, P 80 in slices of 16
+        lambda *args: _one_pass_scan(*args, 64, block_p=16, shared_scores=True),
         (S((1, 100, 6, 80), BF), S((1, 100, 6), BF), S((6,), F32), S((1, 100, 2, 128), BF))
         + (S((1, 100, 2, 128), BF), S((6,), F32), S((1, 6, 80, 128), F32)),
     ),
