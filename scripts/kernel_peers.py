@@ -6,7 +6,8 @@ reports a row through `report(op, impl, seconds, shape=..., **rates)`. A peer th
 installed or fails is printed as FAILED and skipped: the benchmark goes on.
 
   attention   tokamax 0.0.17 `dot_product_attention` (implementations mosaic, cudnn, triton),
-              causal, GQA, contiguous K/V; torch flash SDPA (random inputs of the same shape)
+              causal, GQA, contiguous K/V; JAX's own Mosaic GPU example kernel
+              (`attention_mgpu`); torch flash SDPA (random inputs of the same shape)
   ragged_dot  tokamax `ragged_dot` (its default implementation choice, and each one by name)
   scan        fla-core 0.6.0 `chunk_simple_gla` (Triton): the same recurrence with
               q = C, k = B (per head), v = dt x, g = dt a, scale 1, start state h0^T
@@ -49,6 +50,7 @@ def attention(q, k, v, ours, timed: Callable, report: Report, iters: int) -> Non
     kernel's output for the same tokens, [1, T, Hq, D]."""
     t, nq, hd = q.shape[1], q.shape[2], q.shape[3]
     flops = 4 * t * t / 2 * nq * hd
+    jax_mosaic(q, k, v, ours, flops, timed, report, iters)
     try:
         import tokamax
     except ImportError as exc:
@@ -64,6 +66,29 @@ def attention(q, k, v, ours, timed: Callable, report: Report, iters: int) -> Non
                    TFLOPs=flops / sec / 1e12, rel_err=err)  # fmt: skip
         except Exception as exc:  # noqa: BLE001  (report and go on)
             _failed(f"tokamax attention {impl}", exc)
+
+
+def jax_mosaic(q, k, v, ours, flops: float, timed: Callable, report: Report, iters: int) -> None:
+    """JAX's own Pallas Mosaic GPU attention example (`jax.experimental.pallas.ops.gpu.
+    attention_mgpu`: FA3-style, TMA loads, two compute warpgroups and a memory one; causal and
+    GQA, no bias), which scores unscaled: q goes in times 1/sqrt(d). Blocks of 64 queries per
+    warpgroup and 64 or 128 keys, two KV buffers in flight."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+    except ImportError as exc:
+        return _failed("jax attention_mgpu", exc)
+    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+    for block_kv in (128, 64):
+        config = mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2,
+                                   causal=True)  # fmt: skip
+        fn = jax.jit(functools.partial(mgpu.attention, config=config))
+        try:
+            err = rel_err(fn(scaled, k, v), ours)
+            sec = timed(fn, scaled, k, v, iters=iters)
+            report("prefill attn", f"jax attention_mgpu kv{block_kv} nobias", sec,
+                   shape=list(q.shape), TFLOPs=flops / sec / 1e12, rel_err=err)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001  (report and go on)
+            _failed(f"jax attention_mgpu kv{block_kv}", exc)
 
 
 def torch_flash(t: int, nq: int, nkv: int, hd: int, report: Report, iters: int) -> float:
