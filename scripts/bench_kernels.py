@@ -259,9 +259,11 @@ def scan_p80(args: argparse.Namespace) -> None:
     ref = bind("mamba2_scan", "xla", 128)(*ops)
     # (P slice, c b^T shared); slice 0: the registered op
     for bp, shared in ((0, False), (16, False), (32, False), (64, False), (16, True), (32, True)):
-        fn = jax.jit(lambda *z, bp=bp, sh=shared: mamba2_scan_tiled(
-            *z, 64, block_p=bp, num_warps=4, one_pass=True, shared_scores=sh))  # fmt: skip
-        fn = bind("mamba2_scan", "pallas", 64) if bp == 0 else fn
+        if bp == 0:
+            fn = bind("mamba2_scan", "pallas", 64)
+        else:
+            fn = jax.jit(lambda *z, bp=bp, sh=shared: mamba2_scan_tiled(
+                *z, 64, block_p=bp, num_warps=4, one_pass=True, shared_scores=sh))  # fmt: skip
         name = "registered P80" if bp == 0 else f"one-pass P80 in slices of {bp}"
         name += ", c b^T shared" if shared else ""
         try:

@@ -29,6 +29,7 @@ import os
 import time
 
 import numpy as np
+from check_gpu_backends import agree  # scripts/, beside this file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.torch import bridge
@@ -103,16 +104,6 @@ def run(
     return out if callbacks is None else out | {"callbacks": callbacks}
 
 
-def agree(tokens: list[list[int]], ref: list[list[int]]) -> str:
-    same = 0
-    for got, want in zip(tokens, ref, strict=True):
-        for g, w in zip(got, want, strict=True):
-            if g != w:
-                break
-            same += 1
-    return f"{same}/{sum(map(len, ref))}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -152,7 +143,8 @@ def main() -> None:
     for res in results.values():
         row = {k: v for k, v in res.items() if k not in ("tokens", "callbacks")}
         if "xla" in results:
-            row["greedy_agree"] = agree(res["tokens"], results["xla"]["tokens"])
+            same, total = agree(res["tokens"], results["xla"]["tokens"])
+            row["greedy_agree"] = f"{same}/{total}"
         if "auto" in results:
             row["step_over_auto"] = res["step_ms"] / results["auto"]["step_ms"]
         rows.append(row)
