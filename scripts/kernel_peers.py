@@ -72,12 +72,15 @@ def jax_mosaic(q, k, v, ours, flops: float, timed: Callable, report: Report, ite
     """JAX's own Pallas Mosaic GPU attention example (`jax.experimental.pallas.ops.gpu.
     attention_mgpu`: FA3-style, TMA loads, two compute warpgroups and a memory one; causal and
     GQA, no bias), which scores unscaled: q goes in times 1/sqrt(d). Blocks of 64 queries per
-    warpgroup and 64 or 128 keys, two KV buffers in flight."""
+    warpgroup and 64 or 128 keys, two KV buffers in flight; float16 only (its shared-memory
+    buffers are float16)."""
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
     except ImportError as exc:
         return _failed("jax attention_mgpu", exc)
-    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(q.dtype)
+    # its buffers are float16: it runs on float16 copies of the inputs
+    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(jnp.float16)
+    k, v = k.astype(jnp.float16), v.astype(jnp.float16)
     for block_kv in (128, 64):
         config = mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2,
                                    causal=True)  # fmt: skip

@@ -1,0 +1,389 @@
+"""Causal prefill attention for Hopper GPUs (sm90), written for Pallas's Mosaic GPU backend:
+wgmma matmuls, TMA loads of K/V pages, warpgroup specialisation, and the learned relative bias
+computed in the tile loop.
+
+Same contract as `paged_attention` (backends/protocol.py) for prefill chunks without a sliding
+window: q [B, T, N, H], pages [Pg, K, page, H] (or the joint [Pg, 2, K, page, H]), a block
+table, absolute query positions and kv lengths; bf16 or f16, H a multiple of 64, pages whose
+size divides the key block (64).
+
+Grid: (query head n, tile of 2 x 64 query rows, batch row b), three warpgroups per program.
+Query head n reads kv head n // (N / K) (GQA: the N / K heads of a group re-read the same
+pages, from L2). Each program walks the key blocks [lo, hi) that any of its rows may see; the
+wrapper computes these bounds (and, per compute warpgroup, the blocks every row sees whole)
+once, in XLA, as a small int32 plan.
+
+Softmax in base 2 (float32), with `c = scale * log2(e)` and `bias2 = log2(e) * bias`:
+  `s = c q k^T + bias2`,  `m' = max(m, rowmax s)`,  `p = 2^(s - m')`,
+  `acc' = 2^(m - m') acc + p v`,  `l' = 2^(m - m') l + rowsum p`,  out = `acc / l`
+(zeros for a row that sees no key).
+
+Relative bias `bias[m, j] = rel_q[m] . table[bucket(pos[m] - j)]`, never a [T, S] array: the
+wrapper computes each row's value at every bucket, `rel_q table^T` ([B, N, nb, T], float32,
+also as differences between neighbouring buckets). For a key block the rows' distances span
+`[d_lo, d_hi]`, so only buckets `bucket(d_lo)..bucket(d_hi)` occur: the tile starts from the
+first one's per-row column and adds, for each further bucket b, its difference where
+`pos[m] - j >= start(b)` (one compare and select per element and bucket). Far blocks (one
+bucket, most of a long prefill) thus add a per-row constant; blocks past the few log-bucket
+edges of a tile add one select; only blocks near the diagonal loop over several buckets.
+
+Keys that are not visible may hold any bytes (NaN included): their logits are masked with a
+select, and in the last block of a program (the only one that can reach past `kv_len`) each
+compute warpgroup copies V through registers into its query buffer (free by then), zeroing the
+rows at or past `kv_len`, so that `0 * NaN` never reaches the output.
+
+Lifecycle of one program (3 warpgroups: 0 and 1 compute, 2 memory):
+ 1. Memory warpgroup: for the first `stages` blocks of [lo, hi), TMA-copies each block's pages
+    of K and V (kv head n // (N/K)) into ring slot `(i - lo) % stages`, each copy arriving on
+    the slot's K or V barrier.
+ 2. Compute warpgroup w: TMA-copies its 64 query rows into its own buffer and waits for them.
+ 3. For each block i: wait K(i); `S = Q K^T` (wgmma); arrive on K-consumed(i); mask / bias /
+    online softmax; wait V(i); `acc += P V` (wgmma); arrive on V-consumed(i). A schedule
+    barrier shared by the two compute warpgroups staggers them (one runs its softmax while the
+    other's matmuls use the tensor cores).
+ 4. Memory warpgroup: for block i + stages, waits until both compute warpgroups consumed slot
+    `(i - lo) % stages` (K, then V) before copying into it again.
+ 5. Compute warpgroup w: normalises, stores its rows to its buffer, TMA-copies them out and
+    waits for the copy to finish.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from backends.pallas._common import interpret
+from backends.protocol import BackendError, RelativeBias
+
+try:  # Mosaic GPU support ships with jaxlib; absent pieces only disable this kernel
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+LOG2E = math.log2(math.e)
+BLOCK_Q = 64  # rows per compute warpgroup (one wgmma M tile)
+BLOCK_K = 64  # keys per step: one page of 64, or several smaller pages
+NEW_REF_API = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def _ref_t(ref):
+    """A [K, H] SMEM ref seen as [H, K] (the wgmma B operand of Q K^T)."""
+    return ref.transpose((1, 0)) if NEW_REF_API else plgpu.transpose_ref(ref, (1, 0))
+
+
+def _row(x):
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+
+def _bcast(v, shape):
+    return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _kernel(
+    plan_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref, q_ref, k_ref, v_ref, o_ref,
+    scoped, *, ratio, page, stages, scale, joint, starts,
+):  # fmt: skip
+    (q_smem2, k_smem, v_smem, row_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    b, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+    hd = q_ref.shape[-1]
+    lo, hi = plan_ref[b, tile, 0], plan_ref[b, tile, 1]
+    ppb = BLOCK_K // page
+    rel = cols_ref is not None
+
+    def sync():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem = q_smem2.at[wg]
+        base = tile * 2 * BLOCK_Q + wg * BLOCK_Q
+        rows = pl.ds(base, BLOCK_Q)
+        pos_smem, cols_smem, delta_smem = (r.at[wg] if r is not None else None for r in row_smem)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem, q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(pos_ref.at[b, rows], pos_smem, q_bar.at[wg])
+        if rel:  # every bucket's per-row column and difference, [nb, 64] each
+            plgpu.copy_gmem_to_smem(cols_ref.at[b, head, :, rows], cols_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, head, :, rows], delta_smem, q_bar.at[wg])
+        whole = plan_ref[b, tile, 2 + wg]  # blocks [lo, whole) every row sees whole
+        p_min, p_max = plan_ref[b, tile, 4 + wg], plan_ref[b, tile, 6 + wg]
+        kv_len = kvlen_ref[b]
+        shape = (BLOCK_Q, BLOCK_K)
+        key_col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        c = scale * LOG2E
+        plgpu.barrier_wait(q_bar.at[wg])
+        pos = plgpu.load(pos_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def bucket_of(d):  # scalar distance (>= 0) -> its bucket, from the static starts
+            n = jnp.int32(-1)
+            for s in starts:
+                n += (d >= s).astype(jnp.int32)
+            return n
+
+        def column(ref, bucket):  # [64] per-row value of `ref` at a (dynamic) bucket
+            return plgpu.load(ref.at[bucket], (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def logits(qk, i):  # c q k^T + bias2 for key block i
+            s = qk * c
+            if not rel:
+                return s
+            start = i * BLOCK_K
+            b_lo = bucket_of(jnp.maximum(p_min - (start + BLOCK_K - 1), 0))
+            b_hi = bucket_of(jnp.maximum(p_max - start, 0))
+            s = s + _bcast(column(cols_smem, b_lo), shape)
+
+            def add(bucket, s):  # keys j with pos - j >= start(bucket): j - start <= thr
+                thr = pos - start - starts_ref_value(bucket)
+                step = _bcast(column(delta_smem, bucket), shape)
+                return s + jnp.where(key_col <= _bcast(thr, shape), step, 0.0)
+
+            return lax.fori_loop(b_lo + 1, b_hi + 1, add, s)
+
+        def starts_ref_value(bucket):  # start of a (dynamic) bucket, from the static starts
+            v = jnp.int32(0)
+            for n, s in enumerate(starts):
+                v = jnp.where(bucket == n, jnp.int32(s), v)
+            return v
+
+        def step(i, carry, masked=False, tail=False):
+            acc, m, den = carry
+            slot = lax.rem(i - lo, stages)
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, _ref_t(k_smem.at[slot]))
+                sync()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_scope, plgpu.ACC(shape, jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = logits(qk, i)
+            if masked:
+                key = key_col + i * BLOCK_K
+                visible = (key <= _bcast(pos, shape)) & (key < kv_len)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            # a row that has seen no key yet keeps m = -inf: its exponents count from 0
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s - _bcast(m_use, shape))
+            acc = acc * _bcast(alpha, acc.shape)
+            den = den * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, den, m_new, p16 = lax.optimization_barrier((acc, den, m_new, p16))
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)
+            v_src = v_smem.at[slot]
+            if tail:  # keys at or past kv_len may hold NaN: zero those V rows (own buffer)
+                v = plgpu.load(v_src, (), layout=plgpu.Layout.WGMMA)
+                row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                q_smem[...] = jnp.where(row + i * BLOCK_K < kv_len, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+                v_src = q_smem
+
+            def pv_scope(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_src)
+                nxt = i + 1
+
+                @pl.when(nxt < hi)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(nxt - lo, stages)])
+
+            acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, den
+
+        m = _row(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32))
+        den = _row(jnp.zeros((BLOCK_Q,), jnp.float32))
+        acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, hd), jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(hi > lo)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(sync)
+        last = jnp.maximum(hi - 1, lo)
+        carry = (acc, m, den)
+        carry = lax.fori_loop(lo, jnp.minimum(whole, last), step, carry)
+        masked = functools.partial(step, masked=True)
+        carry = lax.fori_loop(jnp.minimum(whole, last), last, masked, carry)
+        tail = functools.partial(step, masked=True, tail=True)
+        acc, m, den = lax.fori_loop(last, hi, tail, carry)
+        pl.when(wg == 0)(sync)
+        out = acc / _bcast(jnp.where(den == 0.0, 1.0, den), acc.shape)
+        q_smem[...] = out.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(base, BLOCK_Q), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(ratio))
+
+        def fetch(i, slot, ref, bar, half):  # one block's pages of K (half 0) or V (1)
+            for part in range(ppb):
+                page_id = table_ref[b, i * ppb + part]
+                src = ref.at[page_id, half, kv_head] if joint else ref.at[page_id, kv_head]
+                plgpu.copy_gmem_to_smem(src, bar[0].at[slot, pl.ds(part * page, page)], bar[1])
+
+        def fetch_k(i, slot):
+            fetch(i, slot, k_ref, (k_smem, k_bar.at[slot]), 0)
+
+        def fetch_v(i, slot):
+            fetch(i, slot, v_ref, (v_smem, v_bar.at[slot]), 1)
+
+        for n in range(stages):
+
+            @pl.when(lo + n < hi)
+            def _(n=n):
+                fetch_k(lo + n, n)
+                fetch_v(lo + n, n)
+
+        @pl.loop(lo + stages, jnp.maximum(hi, lo + stages))
+        def _(i):
+            slot = lax.rem(i - lo, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            fetch_k(i, slot)
+            plgpu.barrier_wait(v_free.at[slot])
+            fetch_v(i, slot)
+
+
+def _plan(pos: jax.Array, kv_len: jax.Array, tiles: int) -> jax.Array:
+    """Per (row b, tile): [lo, hi, whole_0, whole_1, min_0, min_1, max_0, max_1] int32, in key
+    blocks and positions: the blocks any row of the tile may see, and per compute warpgroup
+    the end of the blocks all its rows see whole and its rows' position range."""
+    p = pos.reshape(pos.shape[0], tiles, 2, BLOCK_Q)
+    p_min, p_max = p.min(-1), p.max(-1)  # [B, tiles, 2]
+    kv = kv_len[:, None]
+    hi_key = jnp.minimum(kv, p_max.max(-1) + 1)
+    hi = jnp.maximum((hi_key + BLOCK_K - 1) // BLOCK_K, 0)
+    lo = jnp.zeros_like(hi)
+    whole = jnp.clip(jnp.minimum(p_min + 1, kv[..., None]) // BLOCK_K, 0, hi[..., None])
+    cols = [lo[..., None], hi[..., None], whole, p_min, p_max]
+    return jnp.concatenate(cols, axis=-1).astype(jnp.int32)
+
+
+def supported(q: jax.Array, k_pages: jax.Array, sliding_window: int | None) -> str | None:
+    """Why this kernel does not apply to these inputs (None when it does)."""
+    if plgpu is None:
+        return "jax has no Pallas Mosaic GPU support"
+    if sliding_window is not None:
+        return "sliding windows are not supported"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+        return f"needs bf16 or f16 q and pages of the same dtype, got {q.dtype}, {k_pages.dtype}"
+    page, hd = k_pages.shape[-2], q.shape[-1]
+    if hd % 64 or hd > 256:
+        return f"head dim must be a multiple of 64 up to 256, got {hd}"
+    if BLOCK_K % page or page % 8:
+        return f"page size must divide {BLOCK_K} and be a multiple of 8, got {page}"
+    return None
+
+
+def prefill_attention_hopper(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array | None,
+    block_table: jax.Array,
+    q_positions: jax.Array,
+    kv_lengths: jax.Array,
+    scale: float,
+    sliding_window: int | None = None,
+    rel_q: jax.Array | None = None,
+    rel_table: jax.Array | None = None,
+    rel_bias: RelativeBias | None = None,
+    *,
+    stages: int = 2,
+) -> jax.Array:
+    """`paged_attention` (backends/protocol.py) for prefill on sm90 GPUs: see the module
+    docstring. Raises `BackendError` for inputs it does not take (`supported` says why)."""
+    if (why := supported(q, k_pages, sliding_window)) is not None:
+        raise BackendError(f"hopper prefill attention: {why}")
+    bsz, t, nq, hd = q.shape
+    joint = v_pages is None
+    if joint and (k_pages.ndim != 5 or k_pages.shape[1] != 2):
+        raise ValueError(f"joint K|V pages must be [Pg, 2, K, page, H], got {k_pages.shape}")
+    nkv, page = k_pages.shape[-3], k_pages.shape[-2]
+    tile = 2 * BLOCK_Q
+    tiles = -(-t // tile)
+    tp = tiles * tile
+    q_p = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
+    kv_len = kv_lengths.astype(jnp.int32)
+    ppb = BLOCK_K // page
+    nblk = -(-block_table.shape[1] // ppb) * ppb
+    n_pages = k_pages.shape[0]
+    table = jnp.clip(block_table.astype(jnp.int32), 0, n_pages - 1)
+    table = jnp.pad(table, ((0, 0), (0, nblk - block_table.shape[1])))
+    plan = _plan(pos, kv_len, tiles)
+    starts: tuple[int, ...] = ()
+    cols = delta = None
+    if rel_bias is not None:
+        starts = rel_bias.boundaries()
+        # [B, N, nb, Tp]: each row's logit term at every bucket (base 2), and the step from
+        # the previous bucket
+        cols = (
+            jnp.einsum("btnr,kr->bnkt", rel_q.astype(jnp.float32), rel_table.astype(jnp.float32))
+            * LOG2E
+        )
+        cols = jnp.pad(cols, ((0, 0), (0, 0), (0, 0), (0, tp - t)))
+        delta = jnp.concatenate([cols[:, :, :1], jnp.diff(cols, axis=2)], axis=2)
+    kernel = functools.partial(
+        _kernel, ratio=nq // nkv, page=page, stages=stages, scale=scale, joint=joint,
+        starts=starts,
+    )  # fmt: skip
+    v_arg = k_pages if joint else v_pages
+
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    nb = len(starts)
+    buffers = (
+        plgpu.SMEM((2, BLOCK_Q, hd), q.dtype, transforms=swz),
+        plgpu.SMEM((stages, BLOCK_K, hd), q.dtype, transforms=swz),
+        plgpu.SMEM((stages, BLOCK_K, hd), q.dtype, transforms=swz),
+        (
+            plgpu.SMEM((2, BLOCK_Q), jnp.int32),
+            None if cols is None else plgpu.SMEM((2, nb, BLOCK_Q), jnp.float32),
+            None if cols is None else plgpu.SMEM((2, nb, BLOCK_Q), jnp.float32),
+        ),
+    )
+    loaded = (
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2 if cols is None else 4, num_barriers=2),
+    )
+    freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+    scratch = (buffers, loaded, freed, plgpu.Barrier(num_arrivals=2))
+
+    def entry(plan_ref, table_ref, kvlen_ref, pos_ref, *refs):
+        *refs, buffers, loaded, freed, sched = refs
+        if cols is None:
+            q_ref, k_ref, v_ref, o_ref = refs
+            cols_ref = delta_ref = None
+        else:
+            cols_ref, delta_ref, q_ref, k_ref, v_ref, o_ref = refs
+        kernel(
+            plan_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref, q_ref, k_ref, v_ref,
+            o_ref, (buffers, loaded, freed, sched),
+        )  # fmt: skip
+
+    extra = () if cols is None else (cols, delta)
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        grid=(nq, tiles, bsz),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret(),  # the CPU: Pallas's Mosaic GPU interpreter
+    )(plan, table, kv_len, pos, *extra, q_p, k_pages, v_arg)
+    return out[:, :t]

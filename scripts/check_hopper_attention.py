@@ -1,0 +1,178 @@
+"""Check and time the Hopper (Mosaic GPU) prefill attention kernel on one sm90 GPU.
+
+First every case of a small grid (pages of 16 / 32 / 64, head dims 64 / 128, GQA ratios, the
+joint K|V layout, relative bias on and off, prefill chunks that start mid-context and end
+mid-page, a padding row) against the xla reference, with NaN in every key slot no query may
+see; then the 8k Inkling-shaped prefill (32 / 8 heads, d 128, relative bias with R 64 and 32
+buckets) timed with and without the bias, beside our Triton kernel and tokamax's Mosaic GPU
+attention when it imports.
+
+    PYTHONPATH=$PWD python scripts/check_hopper_attention.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from backends.pallas.attention import paged_attention_tiled
+from backends.pallas.attention_hopper import prefill_attention_hopper
+from backends.protocol import RelativeBias, get_op
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_timing import rel_err, timed  # noqa: E402
+
+BF = jnp.bfloat16
+
+
+def poisoned(rng, bsz, t, nq, nkv, hd, page, starts, kv_len, r=16, nb=12):
+    """Paged inputs with NaN in every slot past each row's kv_len and in unused pages."""
+    nblk = -(-int(max(max(kv_len), 1)) // page) + 1
+    n_pages = bsz * nblk + 3
+    kp = rng.standard_normal((n_pages, nkv, page, hd)).astype(np.float32)
+    vp = rng.standard_normal((n_pages, nkv, page, hd)).astype(np.float32)
+    table = rng.permutation(np.arange(1, n_pages))[: bsz * nblk].reshape(bsz, nblk)
+    for b in range(bsz):
+        for j in range(kv_len[b], nblk * page):
+            kp[table[b, j // page], :, j % page] = np.nan
+            vp[table[b, j // page], :, j % page] = np.nan
+    unused = np.setdiff1d(np.arange(n_pages), table)
+    kp[unused], vp[unused] = np.nan, np.nan
+    q = rng.standard_normal((bsz, t, nq, hd))
+    pos = (np.asarray(starts)[:, None] + np.arange(t)).astype(np.int32)
+    rel_q = rng.standard_normal((bsz, t, nq, r)) * 0.5
+    rel_table = rng.standard_normal((nb, r))
+    return (jnp.asarray(q, BF), jnp.asarray(kp, BF), jnp.asarray(vp, BF),
+            jnp.asarray(table, jnp.int32), jnp.asarray(pos), jnp.asarray(kv_len, jnp.int32),
+            jnp.asarray(rel_q, BF), jnp.asarray(rel_table, BF))  # fmt: skip
+
+
+def check_cases(results: list) -> bool:
+    ok = True
+    spec = RelativeBias(num_buckets=12, num_exact=3, max_distance=100)
+    ref_op = get_op("paged_attention", "xla")
+    cases = [  # bsz, t, nq, nkv, hd, page, starts, kv_len
+        (3, 200, 8, 2, 128, 64, [0, 37, 0], [200, 237, 0]),
+        (2, 130, 4, 4, 64, 16, [5, 64], [135, 194]),
+        (1, 384, 8, 1, 128, 32, [0], [384]),
+        (2, 64, 6, 2, 256, 64, [300, 0], [364, 64]),
+    ]
+    rng = np.random.default_rng(0)
+    for n, (bsz, t, nq, nkv, hd, page, starts, kv_len) in enumerate(cases):
+        q, kp, vp, table, pos, kvl, rq, emb = poisoned(rng, bsz, t, nq, nkv, hd, page, starts,
+                                                       kv_len)  # fmt: skip
+        for rel in (False, True):
+            for joint in (False, True):
+                extra = (rq, emb, spec) if rel else (None, None, None)
+                ref = ref_op(q, kp, vp, table, pos, kvl, hd**-0.5, None, *extra)
+                pages = (jnp.stack([kp, vp], axis=1), None) if joint else (kp, vp)
+                try:
+                    got = jax.jit(
+                        lambda *a, extra=extra, scale=hd**-0.5: prefill_attention_hopper(
+                            *a, scale, None, *extra)
+                    )(q, *pages, table, pos, kvl)  # fmt: skip
+                    err = rel_err(got, ref)
+                    finite = bool(np.isfinite(np.asarray(got, np.float32)).all())
+                except Exception as exc:  # noqa: BLE001  (report every case)
+                    err, finite = float("nan"), False
+                    print(f"case {n}: {type(exc).__name__}: {exc}"[:2000])
+                good = finite and err < 2e-2
+                ok &= good
+                results.append({"case": n, "rel": rel, "joint": joint, "rel_err": err,
+                                "finite": finite, "ok": good})  # fmt: skip
+                print(f"case {n} {bsz}x{t} {nq}/{nkv} d{hd} page {page} rel={rel} "
+                      f"joint={joint}: rel_err {err:.2e} finite={finite} {'OK' if good else 'BAD'}",
+                      flush=True)  # fmt: skip
+    return ok
+
+
+def bench(results: list, iters: int) -> None:
+    t, nq, nkv, hd, r = 8192, 32, 8, 128, 64
+    flops = 4 * t * t / 2 * nq * hd
+    spec = RelativeBias(num_buckets=32, num_exact=16, max_distance=4096)
+    key = jax.random.key
+    rq = jax.random.normal(key(4), (1, t, nq, r), BF) * 0.1
+    emb = jax.random.normal(key(5), (32, r), BF)
+    page = 64
+    n_pages = t // page + 1
+    table = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, n_pages))[None],
+                        jnp.int32)  # fmt: skip
+    kp = jax.random.normal(key(1), (n_pages, nkv, page, hd), BF)
+    vp = jax.random.normal(key(2), (n_pages, nkv, page, hd), BF)
+    q = jax.random.normal(key(3), (1, t, nq, hd), BF)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    kvl = jnp.full((1,), t, jnp.int32)
+    scale = hd**-0.5
+    n = 1024
+    ref = get_op("paged_attention", "xla")(q[:, :n], kp, vp, table, pos[:, :n],
+                                           jnp.full((1,), n, jnp.int32), scale, None,
+                                           rq[:, :n], emb, spec)  # fmt: skip
+
+    def add(impl, sec, err):
+        tf = flops / sec / 1e12
+        results.append({"op": "prefill attn", "impl": impl, "ms": sec * 1e3, "TFLOPs": tf,
+                        "rel_err": err})  # fmt: skip
+        print(f"{impl:48s} {sec * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s  rel_err {err:.2e}", flush=True)
+
+    for stages in (2, 3, 4):
+        for bias in (True, False):
+            extra = (rq, emb, spec) if bias else (None, None, None)
+
+            def f(q, kp, vp, table, pos, kvl, rq, extra=extra, stages=stages):
+                e = (rq, *extra[1:]) if extra[0] is not None else extra
+                return prefill_attention_hopper(q, kp, vp, table, pos, kvl, scale, None, *e,
+                                                stages=stages)  # fmt: skip
+
+            try:
+                fn = jax.jit(f)
+                small = fn(q[:, :n], kp, vp, table, pos[:, :n], jnp.full((1,), n, jnp.int32),
+                           rq[:, :n])  # fmt: skip
+                err = rel_err(small, ref) if bias else float("nan")
+                sec = timed(fn, q, kp, vp, table, pos, kvl, rq, iters=iters)
+                add(f"hopper mosaic stages {stages} {'bias' if bias else 'nobias'}", sec, err)
+            except Exception as exc:  # noqa: BLE001
+                print(f"hopper stages {stages} bias={bias}: {type(exc).__name__}: {exc}"[:3000])
+    for bias in (True, False):
+        extra = (emb, spec) if bias else (None, None)
+        fn = jax.jit(lambda *a, extra=extra, bias=bias: paged_attention_tiled(
+            *a[:6], scale, None, a[6] if bias else None, *extra, block_m=64, block_k=64,
+            num_warps=4, num_stages=2))  # fmt: skip
+        sec = timed(fn, q, kp, vp, table, pos, kvl, rq, iters=iters)
+        add(f"triton page 64 m64 k64 {'bias' if bias else 'nobias'}", sec, float("nan"))
+    try:
+        import tokamax
+
+        k = kp[table[0]].transpose(0, 2, 1, 3).reshape(1, t, nkv, hd)
+        v = vp[table[0]].transpose(0, 2, 1, 3).reshape(1, t, nkv, hd)
+        fn = jax.jit(lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, is_causal=True, implementation="mosaic"))  # fmt: skip
+        sec = timed(fn, q, k, v, iters=iters)
+        add("tokamax mosaic nobias", sec, float("nan"))
+    except Exception as exc:  # noqa: BLE001
+        print(f"tokamax: {type(exc).__name__}: {exc}"[:400])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-bench", action="store_true", help="only the correctness cases")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    results: list = []
+    ok = check_cases(results)
+    if not args.no_bench:
+        bench(results, args.iters)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ok": ok, "rows": results}, indent=1))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
