@@ -67,28 +67,32 @@ def check_cases(results: list) -> bool:
     for n, (bsz, t, nq, nkv, hd, page, starts, kv_len) in enumerate(cases):
         q, kp, vp, table, pos, kvl, rq, emb = poisoned(rng, bsz, t, nq, nkv, hd, page, starts,
                                                        kv_len)  # fmt: skip
-        for rel in (False, True):
-            for joint in (False, True):
-                extra = (rq, emb, spec) if rel else (None, None, None)
-                ref = ref_op(q, kp, vp, table, pos, kvl, hd**-0.5, None, *extra)
-                pages = (jnp.stack([kp, vp], axis=1), None) if joint else (kp, vp)
-                try:
-                    got = jax.jit(
-                        lambda *a, extra=extra, scale=hd**-0.5: prefill_attention_hopper(
-                            *a, scale, None, *extra)
-                    )(q, *pages, table, pos, kvl)  # fmt: skip
-                    err = rel_err(got, ref)
-                    finite = bool(np.isfinite(np.asarray(got, np.float32)).all())
-                except Exception as exc:  # noqa: BLE001  (report every case)
-                    err, finite = float("nan"), False
-                    print(f"case {n}: {type(exc).__name__}: {exc}"[:2000])
-                good = finite and err < 2e-2
-                ok &= good
-                results.append({"case": n, "rel": rel, "joint": joint, "rel_err": err,
-                                "finite": finite, "ok": good})  # fmt: skip
-                print(f"case {n} {bsz}x{t} {nq}/{nkv} d{hd} page {page} rel={rel} "
-                      f"joint={joint}: rel_err {err:.2e} finite={finite} {'OK' if good else 'BAD'}",
-                      flush=True)  # fmt: skip
+        for rel, joint, block_k in ((False, False, 64), (True, True, 64), (True, False, 128),
+                                    (False, True, 128)):  # fmt: skip
+            if block_k % page:
+                continue
+            extra = (rq, emb, spec) if rel else (None, None, None)
+            ref = ref_op(q, kp, vp, table, pos, kvl, hd**-0.5, None, *extra)
+            pages = (jnp.stack([kp, vp], axis=1), None) if joint else (kp, vp)
+            try:
+                got = jax.jit(
+                    lambda *a, extra=extra, scale=hd**-0.5, bk=block_k: (
+                        prefill_attention_hopper(*a, scale, None, *extra, block_k=bk))
+                )(q, *pages, table, pos, kvl)  # fmt: skip
+                err = rel_err(got, ref)
+                finite = bool(np.isfinite(np.asarray(got, np.float32)).all())
+            except Exception as exc:  # noqa: BLE001  (report every case)
+                err, finite = float("nan"), False
+                print(f"case {n}: {type(exc).__name__}: {exc}"[:2000])
+            good = finite and err < 2e-2
+            ok &= good
+            results.append({"case": n, "rel": rel, "joint": joint, "block_k": block_k,
+                            "rel_err": err,
+                            "finite": finite, "ok": good})  # fmt: skip
+            print(f"case {n} {bsz}x{t} {nq}/{nkv} d{hd} page {page} rel={rel} "
+                  f"joint={joint} block_k={block_k}: rel_err {err:.2e} finite={finite} "
+                  f"{'OK' if good else 'BAD'}",
+                  flush=True)  # fmt: skip
     return ok
 
 
@@ -120,14 +124,14 @@ def bench(results: list, iters: int) -> None:
                         "rel_err": err})  # fmt: skip
         print(f"{impl:48s} {sec * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s  rel_err {err:.2e}", flush=True)
 
-    for stages in (2, 3, 4):
+    for block_k, stages in ((64, 2), (64, 3), (128, 2), (128, 3)):
         for bias in (True, False):
             extra = (rq, emb, spec) if bias else (None, None, None)
 
-            def f(q, kp, vp, table, pos, kvl, rq, extra=extra, stages=stages):
+            def f(q, kp, vp, table, pos, kvl, rq, extra=extra, stages=stages, bk=block_k):
                 e = (rq, *extra[1:]) if extra[0] is not None else extra
                 return prefill_attention_hopper(q, kp, vp, table, pos, kvl, scale, None, *e,
-                                                stages=stages)  # fmt: skip
+                                                block_k=bk, stages=stages)  # fmt: skip
 
             try:
                 fn = jax.jit(f)
@@ -135,9 +139,14 @@ def bench(results: list, iters: int) -> None:
                            rq[:, :n])  # fmt: skip
                 err = rel_err(small, ref) if bias else float("nan")
                 sec = timed(fn, q, kp, vp, table, pos, kvl, rq, iters=iters)
-                add(f"hopper mosaic stages {stages} {'bias' if bias else 'nobias'}", sec, err)
+                name = f"hopper mosaic k{block_k} stages {stages} {'bias' if bias else 'nobias'}"
+                add(name, sec, err)
             except Exception as exc:  # noqa: BLE001
-                print(f"hopper stages {stages} bias={bias}: {type(exc).__name__}: {exc}"[:3000])
+                print(
+                    f"hopper k{block_k} stages {stages} bias={bias}: {type(exc).__name__}: {exc}"[
+                        :3000
+                    ]
+                )
     for bias in (True, False):
         extra = (emb, spec) if bias else (None, None)
         fn = jax.jit(lambda *a, extra=extra, bias=bias: paged_attention_tiled(

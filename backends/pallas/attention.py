@@ -37,11 +37,13 @@ wrapper pads the head dim (copying the cache when it is not a power of two, e.g.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from backends.pallas import attention_hopper
 from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import BackendError, RelativeBias, register
 
@@ -330,6 +332,13 @@ def paged_attention(
     rel_table: jax.Array | None = None,
     rel_bias: RelativeBias | None = None,
 ) -> jax.Array:
+    # Prefill chunks on Hopper: the Mosaic GPU kernel (wgmma, TMA), where it takes the inputs.
+    hopper = q.shape[1] >= HOPPER_MIN_TOKENS and hopper_gpu()
+    if hopper and attention_hopper.supported(q, k_pages, sliding_window) is None:
+        return attention_hopper.prefill_attention_hopper(
+            q, k_pages, v_pages, block_table, q_positions, kv_lengths, scale,
+            sliding_window, rel_q, rel_table, rel_bias,
+        )  # fmt: skip
     # Decode steps over small pages were fastest with 32-key blocks on an H200 (BENCHMARKS.md).
     decode = q.shape[1] == 1
     block_k = 32 if decode and k_pages.shape[-2] < 32 else 64
@@ -338,6 +347,23 @@ def paged_attention(
         rel_q, rel_table, rel_bias, block_k=block_k,
         splits=decode_splits(q, k_pages, block_table, block_k) if decode else 1,
     )  # fmt: skip
+
+
+HOPPER_MIN_TOKENS = 64  # shorter chunks (and decode) keep the Triton kernel
+ENV_HOPPER = "HYBRIDSERVE_HOPPER_ATTENTION"  # "0": never the Mosaic GPU prefill kernel
+
+
+@functools.cache
+def hopper_gpu() -> bool:
+    """Does the default device take the Hopper (sm90) Mosaic GPU prefill kernel? A GPU of
+    compute capability 9.x, compiled kernels (not interpret mode), and not switched off with
+    `HYBRIDSERVE_HOPPER_ATTENTION=0`."""
+    if os.environ.get(ENV_HOPPER, "").strip() == "0" or interpret():
+        return False
+    if jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    return str(capability).split(".")[0] == "9"
 
 
 SPLIT_PROGRAMS = 256  # split-KV grows a small decode grid to about this many programs

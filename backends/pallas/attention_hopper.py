@@ -67,7 +67,6 @@ except ImportError:  # pragma: no cover
 
 LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # rows per compute warpgroup (one wgmma M tile)
-BLOCK_K = 64  # keys per step: one page of 64, or several smaller pages
 NEW_REF_API = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
@@ -85,8 +84,8 @@ def _bcast(v, shape):
 
 
 def _kernel(
-    plan_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref, q_ref, k_ref, v_ref, o_ref,
-    scoped, *, ratio, page, stages, scale, joint, starts,
+    plan_ref, lut_ref, starts_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref, q_ref,
+    k_ref, v_ref, o_ref, scoped, *, ratio, page, block_k, stages, scale, joint, nb,
 ):  # fmt: skip
     (q_smem2, k_smem, v_smem, row_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     b, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
@@ -94,8 +93,9 @@ def _kernel(
     dtype = q_ref.dtype
     hd = q_ref.shape[-1]
     lo, hi = plan_ref[b, tile, 0], plan_ref[b, tile, 1]
-    ppb = BLOCK_K // page
+    ppb = block_k // page
     rel = cols_ref is not None
+    wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
     def sync():
         plgpu.barrier_arrive(sched)
@@ -110,50 +110,46 @@ def _kernel(
         pos_smem, cols_smem, delta_smem = (r.at[wg] if r is not None else None for r in row_smem)
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem, q_bar.at[wg])
         plgpu.copy_gmem_to_smem(pos_ref.at[b, rows], pos_smem, q_bar.at[wg])
-        if rel:  # every bucket's per-row column and difference, [nb, 64] each
+        if rel:  # every bucket's per-row column and difference, [nb + 1, 64] each
             plgpu.copy_gmem_to_smem(cols_ref.at[b, head, :, rows], cols_smem, q_bar.at[wg])
             plgpu.copy_gmem_to_smem(delta_ref.at[b, head, :, rows], delta_smem, q_bar.at[wg])
         whole = plan_ref[b, tile, 2 + wg]  # blocks [lo, whole) every row sees whole
-        p_min, p_max = plan_ref[b, tile, 4 + wg], plan_ref[b, tile, 6 + wg]
+        far_end, mid_end = plan_ref[b, tile, 4 + wg], plan_ref[b, tile, 6 + wg]
         kv_len = kvlen_ref[b]
-        shape = (BLOCK_Q, BLOCK_K)
-        key_col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        shape = (BLOCK_Q, block_k)
+        key_col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
         c = scale * LOG2E
         plgpu.barrier_wait(q_bar.at[wg])
-        pos = plgpu.load(pos_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        pos = plgpu.load(pos_smem, (), layout=row_layout)
 
-        def bucket_of(d):  # scalar distance (>= 0) -> its bucket, from the static starts
-            n = jnp.int32(-1)
-            for s in starts:
-                n += (d >= s).astype(jnp.int32)
-            return n
+        def column(ref, bucket):  # [64]: each row's value of `ref` at a (dynamic) bucket
+            return plgpu.load(ref.at[bucket], (), layout=row_layout)
 
-        def column(ref, bucket):  # [64] per-row value of `ref` at a (dynamic) bucket
-            return plgpu.load(ref.at[bucket], (), layout=plgpu.Layout.WGMMA.reduce(1))
+        def edge(s, i, bucket):  # add bucket's step where pos - j >= its start
+            thr = pos - i * block_k - starts_ref[bucket]
+            step = _bcast(column(delta_smem, bucket), shape)
+            return s + jnp.where(key_col <= _bcast(thr, shape), step, 0.0)
 
-        def logits(qk, i):  # c q k^T + bias2 for key block i
-            s = qk * c
-            if not rel:
-                return s
-            start = i * BLOCK_K
-            b_lo = bucket_of(jnp.maximum(p_min - (start + BLOCK_K - 1), 0))
-            b_hi = bucket_of(jnp.maximum(p_max - start, 0))
-            s = s + _bcast(column(cols_smem, b_lo), shape)
+        def far_logits(qk, i, col):  # one bucket (the last): a per-row constant
+            return qk * c + _bcast(col, shape)
 
-            def add(bucket, s):  # keys j with pos - j >= start(bucket): j - start <= thr
-                thr = pos - start - starts_ref_value(bucket)
-                step = _bcast(column(delta_smem, bucket), shape)
-                return s + jnp.where(key_col <= _bcast(thr, shape), step, 0.0)
+        def mid_logits(qk, i, col):  # at most two buckets: one select
+            del col
+            b_lo = lut_ref[b, tile, wg, i] & 255
+            return edge(qk * c + _bcast(column(cols_smem, b_lo), shape), i, b_lo + 1)
 
-            return lax.fori_loop(b_lo + 1, b_hi + 1, add, s)
+        def near_logits(qk, i, col):  # a loop over the buckets the block's distances span
+            del col
+            packed = lut_ref[b, tile, wg, i]
+            b_lo, b_hi = packed & 255, packed >> 8
+            s = qk * c + _bcast(column(cols_smem, b_lo), shape)
+            return lax.fori_loop(b_lo + 1, b_hi + 1, lambda n, s: edge(s, i, n), s)
 
-        def starts_ref_value(bucket):  # start of a (dynamic) bucket, from the static starts
-            v = jnp.int32(0)
-            for n, s in enumerate(starts):
-                v = jnp.where(bucket == n, jnp.int32(s), v)
-            return v
+        def plain_logits(qk, i, col):
+            del i, col
+            return qk * c
 
-        def step(i, carry, masked=False, tail=False):
+        def step(i, carry, logits=plain_logits, col=None, masked=False, tail=False):
             acc, m, den = carry
             slot = lax.rem(i - lo, stages)
 
@@ -164,9 +160,9 @@ def _kernel(
 
             qk = pl.run_scoped(qk_scope, plgpu.ACC(shape, jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            s = logits(qk, i)
+            s = logits(qk, i, col)
             if masked:
-                key = key_col + i * BLOCK_K
+                key = key_col + i * block_k
                 visible = (key <= _bcast(pos, shape)) & (key < kv_len)
                 s = jnp.where(visible, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -181,29 +177,42 @@ def _kernel(
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
-            v_src = v_smem.at[slot]
-            if tail:  # keys at or past kv_len may hold NaN: zero those V rows (own buffer)
-                v = plgpu.load(v_src, (), layout=plgpu.Layout.WGMMA)
-                row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
-                q_smem[...] = jnp.where(row + i * BLOCK_K < kv_len, v, jnp.zeros_like(v))
-                plgpu.commit_smem()
-                v_src = q_smem
 
-            def pv_scope(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_src)
+            def wait_next():
                 nxt = i + 1
 
                 @pl.when(nxt < hi)
                 def _():
                     plgpu.barrier_wait(k_bar.at[lax.rem(nxt - lo, stages)])
 
-            acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+            if not tail:
+
+                def pv_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next()
+
+                acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+            else:  # keys at or past kv_len may hold NaN: V goes through the query buffer
+                for part in range(block_k // BLOCK_Q):  # (free by now) with those rows zeroed
+                    part_rows = pl.ds(part * BLOCK_Q, BLOCK_Q)
+                    v = plgpu.load(v_smem.at[slot, part_rows], (), layout=wgmma_layout)
+                    row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma_layout)
+                    first = i * block_k + part * BLOCK_Q
+                    q_smem[...] = jnp.where(row + first < kv_len, v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
+                    p_part = p16 if block_k == BLOCK_Q else p16[:, part * BLOCK_Q :][:, :BLOCK_Q]
+
+                    def pv_part(acc_ref, p_part=p_part):
+                        plgpu.wgmma(acc_ref, p_part, q_smem)
+
+                    acc = pl.run_state(pv_part)(plgpu.ACC.init(acc))
+                wait_next()
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, den
 
         m = _row(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32))
         den = _row(jnp.zeros((BLOCK_Q,), jnp.float32))
-        acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, hd), jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, hd), jnp.float32), wgmma_layout)
 
         @pl.when(hi > lo)
         def _():
@@ -211,12 +220,30 @@ def _kernel(
 
         pl.when(wg == 1)(sync)
         last = jnp.maximum(hi - 1, lo)
+        unmasked_end = jnp.clip(whole, lo, last)
+        if rel:  # far, mid and near blocks (all seen whole), then the masked ones
+            far_col = column(cols_smem, nb - 1)
+            far = jnp.clip(far_end, lo, unmasked_end)
+            mid = jnp.clip(mid_end, far, unmasked_end)
+            loops = [
+                (lo, far, far_logits),
+                (far, mid, mid_logits),
+                (mid, unmasked_end, near_logits),
+            ]
+            masked_logits = near_logits
+        else:
+            far_col = None
+            loops = [(lo, unmasked_end, plain_logits)]
+            masked_logits = plain_logits
         carry = (acc, m, den)
-        carry = lax.fori_loop(lo, jnp.minimum(whole, last), step, carry)
-        masked = functools.partial(step, masked=True)
-        carry = lax.fori_loop(jnp.minimum(whole, last), last, masked, carry)
-        tail = functools.partial(step, masked=True, tail=True)
-        acc, m, den = lax.fori_loop(last, hi, tail, carry)
+        for start, stop, logits in loops:
+            body = functools.partial(step, logits=logits, col=far_col)
+            carry = lax.fori_loop(start, stop, body, carry)
+        body = functools.partial(step, logits=masked_logits, masked=True)
+        carry = lax.fori_loop(unmasked_end, last, body, carry)
+        body = functools.partial(step, logits=masked_logits, masked=True, tail=True)
+        carry = lax.fori_loop(last, hi, body, carry)
+        acc, m, den = carry
         pl.when(wg == 0)(sync)
         out = acc / _bcast(jnp.where(den == 0.0, 1.0, den), acc.shape)
         q_smem[...] = out.astype(dtype)
@@ -257,22 +284,53 @@ def _kernel(
             fetch_v(i, slot)
 
 
-def _plan(pos: jax.Array, kv_len: jax.Array, tiles: int) -> jax.Array:
-    """Per (row b, tile): [lo, hi, whole_0, whole_1, min_0, min_1, max_0, max_1] int32, in key
-    blocks and positions: the blocks any row of the tile may see, and per compute warpgroup
-    the end of the blocks all its rows see whole and its rows' position range."""
+def _plan(
+    pos: jax.Array,
+    kv_len: jax.Array,
+    tiles: int,
+    block_k: int,
+    n_blocks: int,
+    starts: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array]:
+    """Loop bounds, in key blocks, per (row b, tile): `[lo, hi, whole_0, whole_1, far_0, far_1,
+    mid_0, mid_1]` int32: the blocks any row of the tile may see, and per compute warpgroup
+    the end of the blocks all its rows see whole, of the far blocks (every distance in the last
+    bucket) and of the mid blocks (at most two buckets each). And, with a relative bias, each
+    block's bucket range per warpgroup, `bucket(d_min) | bucket(d_max) << 8` ([B, tiles, 2,
+    blocks])."""
     p = pos.reshape(pos.shape[0], tiles, 2, BLOCK_Q)
     p_min, p_max = p.min(-1), p.max(-1)  # [B, tiles, 2]
     kv = kv_len[:, None]
     hi_key = jnp.minimum(kv, p_max.max(-1) + 1)
-    hi = jnp.maximum((hi_key + BLOCK_K - 1) // BLOCK_K, 0)
+    hi = jnp.maximum((hi_key + block_k - 1) // block_k, 0)
     lo = jnp.zeros_like(hi)
-    whole = jnp.clip(jnp.minimum(p_min + 1, kv[..., None]) // BLOCK_K, 0, hi[..., None])
-    cols = [lo[..., None], hi[..., None], whole, p_min, p_max]
-    return jnp.concatenate(cols, axis=-1).astype(jnp.int32)
+    whole = jnp.clip(jnp.minimum(p_min + 1, kv[..., None]) // block_k, 0, hi[..., None])
+    if not starts:
+        far = mid = jnp.zeros_like(whole)
+        lut = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    else:
+        bounds = jnp.asarray(starts, jnp.int32)
+        far = (p_min - starts[-1] + 1) // block_k
+        widths = jnp.asarray([b - a for a, b in zip(starts, starts[1:], strict=False)])
+        span = block_k - 1 + p_max - p_min  # distances one block spans, per warpgroup
+        ids = jnp.arange(1, len(starts), dtype=jnp.int32)
+        b_mid = jnp.max(jnp.where(widths < span[..., None], ids, 0), axis=-1)
+        mid = (p_min - bounds[b_mid] + 1) // block_k
+        start = jnp.arange(n_blocks, dtype=jnp.int32) * block_k
+        d_min = p_min[..., None] - (start + block_k - 1)  # [B, tiles, 2, blocks]
+        d_max = p_max[..., None] - start
+
+        def bucket(d):
+            return jnp.searchsorted(bounds, jnp.maximum(d, 0), side="right").astype(jnp.int32) - 1
+
+        lut = bucket(d_min) | (bucket(d_max) << 8)
+    cols = [lo[..., None], hi[..., None], whole, far, mid]
+    return jnp.concatenate(cols, axis=-1).astype(jnp.int32), lut
 
 
-def supported(q: jax.Array, k_pages: jax.Array, sliding_window: int | None) -> str | None:
+def supported(
+    q: jax.Array, k_pages: jax.Array, sliding_window: int | None, block_k: int = 64
+) -> str | None:
     """Why this kernel does not apply to these inputs (None when it does)."""
     if plgpu is None:
         return "jax has no Pallas Mosaic GPU support"
@@ -283,8 +341,8 @@ def supported(q: jax.Array, k_pages: jax.Array, sliding_window: int | None) -> s
     page, hd = k_pages.shape[-2], q.shape[-1]
     if hd % 64 or hd > 256:
         return f"head dim must be a multiple of 64 up to 256, got {hd}"
-    if BLOCK_K % page or page % 8:
-        return f"page size must divide {BLOCK_K} and be a multiple of 8, got {page}"
+    if block_k % page or page % 8:
+        return f"page size must divide the key block ({block_k}) and be a multiple of 8: {page}"
     return None
 
 
@@ -301,11 +359,15 @@ def prefill_attention_hopper(
     rel_table: jax.Array | None = None,
     rel_bias: RelativeBias | None = None,
     *,
+    block_k: int = 64,
     stages: int = 2,
 ) -> jax.Array:
     """`paged_attention` (backends/protocol.py) for prefill on sm90 GPUs: see the module
-    docstring. Raises `BackendError` for inputs it does not take (`supported` says why)."""
-    if (why := supported(q, k_pages, sliding_window)) is not None:
+    docstring. `block_k` keys per step (64 or 128), `stages` K/V blocks in flight. Raises
+    `BackendError` for inputs it does not take (`supported` says why)."""
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k must be 64 or 128, got {block_k}")
+    if (why := supported(q, k_pages, sliding_window, block_k)) is not None:
         raise BackendError(f"hopper prefill attention: {why}")
     bsz, t, nq, hd = q.shape
     joint = v_pages is None
@@ -318,63 +380,55 @@ def prefill_attention_hopper(
     q_p = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
     kv_len = kv_lengths.astype(jnp.int32)
-    ppb = BLOCK_K // page
-    nblk = -(-block_table.shape[1] // ppb) * ppb
-    n_pages = k_pages.shape[0]
-    table = jnp.clip(block_table.astype(jnp.int32), 0, n_pages - 1)
-    table = jnp.pad(table, ((0, 0), (0, nblk - block_table.shape[1])))
-    plan = _plan(pos, kv_len, tiles)
-    starts: tuple[int, ...] = ()
-    cols = delta = None
-    if rel_bias is not None:
-        starts = rel_bias.boundaries()
-        # [B, N, nb, Tp]: each row's logit term at every bucket (base 2), and the step from
-        # the previous bucket
-        cols = (
-            jnp.einsum("btnr,kr->bnkt", rel_q.astype(jnp.float32), rel_table.astype(jnp.float32))
-            * LOG2E
-        )
-        cols = jnp.pad(cols, ((0, 0), (0, 0), (0, 0), (0, tp - t)))
-        delta = jnp.concatenate([cols[:, :, :1], jnp.diff(cols, axis=2)], axis=2)
-    kernel = functools.partial(
-        _kernel, ratio=nq // nkv, page=page, stages=stages, scale=scale, joint=joint,
-        starts=starts,
-    )  # fmt: skip
-    v_arg = k_pages if joint else v_pages
-
-    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    ppb = block_k // page
+    n_blocks = -(-block_table.shape[1] // ppb)
+    table = jnp.clip(block_table.astype(jnp.int32), 0, k_pages.shape[0] - 1)
+    table = jnp.pad(table, ((0, 0), (0, n_blocks * ppb - block_table.shape[1])))
+    starts = rel_bias.boundaries() if rel_bias is not None else ()
     nb = len(starts)
+    plan, lut = _plan(pos, kv_len, tiles, block_k, n_blocks, starts)
+    extra: tuple[jax.Array, ...] = ()
+    if starts:
+        # [B, N, nb + 1, Tp]: each row's logit term at every bucket (base 2), and the step
+        # from the previous bucket; bucket nb (start past every distance) adds nothing
+        cols = jnp.einsum(
+            "btnr,kr->bnkt", rel_q.astype(jnp.float32), rel_table.astype(jnp.float32)
+        ) * LOG2E  # fmt: skip
+        cols = jnp.pad(cols, ((0, 0), (0, 0), (0, 1), (0, tp - t)), mode="edge")
+        delta = jnp.concatenate([cols[:, :, :1], jnp.diff(cols, axis=2)], axis=2)
+        extra = (cols, delta)
+    starts_arr = jnp.asarray((*starts, 2**30), jnp.int32)
+    kernel = functools.partial(
+        _kernel, ratio=nq // nkv, page=page, block_k=block_k, stages=stages, scale=scale,
+        joint=joint, nb=nb,
+    )  # fmt: skip
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    bucket_rows = None if not starts else plgpu.SMEM((2, nb + 1, BLOCK_Q), jnp.float32)
     buffers = (
         plgpu.SMEM((2, BLOCK_Q, hd), q.dtype, transforms=swz),
-        plgpu.SMEM((stages, BLOCK_K, hd), q.dtype, transforms=swz),
-        plgpu.SMEM((stages, BLOCK_K, hd), q.dtype, transforms=swz),
-        (
-            plgpu.SMEM((2, BLOCK_Q), jnp.int32),
-            None if cols is None else plgpu.SMEM((2, nb, BLOCK_Q), jnp.float32),
-            None if cols is None else plgpu.SMEM((2, nb, BLOCK_Q), jnp.float32),
-        ),
+        plgpu.SMEM((stages, block_k, hd), q.dtype, transforms=swz),
+        plgpu.SMEM((stages, block_k, hd), q.dtype, transforms=swz),
+        (plgpu.SMEM((2, BLOCK_Q), jnp.int32), bucket_rows, bucket_rows),
     )
     loaded = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2 if cols is None else 4, num_barriers=2),
+        plgpu.Barrier(num_arrivals=4 if starts else 2, num_barriers=2),
     )
     freed = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
     scratch = (buffers, loaded, freed, plgpu.Barrier(num_arrivals=2))
 
-    def entry(plan_ref, table_ref, kvlen_ref, pos_ref, *refs):
+    def entry(plan_ref, lut_ref, starts_ref, table_ref, kvlen_ref, pos_ref, *refs):
         *refs, buffers, loaded, freed, sched = refs
-        if cols is None:
-            q_ref, k_ref, v_ref, o_ref = refs
-            cols_ref = delta_ref = None
-        else:
-            cols_ref, delta_ref, q_ref, k_ref, v_ref, o_ref = refs
+        cols_ref = delta_ref = None
+        if starts:
+            cols_ref, delta_ref, *refs = refs
+        q_ref, k_ref, v_ref, o_ref = refs
         kernel(
-            plan_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref, q_ref, k_ref, v_ref,
-            o_ref, (buffers, loaded, freed, sched),
+            plan_ref, lut_ref, starts_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref,
+            q_ref, k_ref, v_ref, o_ref, (buffers, loaded, freed, sched),
         )  # fmt: skip
 
-    extra = () if cols is None else (cols, delta)
     out = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
@@ -385,5 +439,16 @@ def prefill_attention_hopper(
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret(),  # the CPU: Pallas's Mosaic GPU interpreter
-    )(plan, table, kv_len, pos, *extra, q_p, k_pages, v_arg)
+    )(
+        plan,
+        lut,
+        starts_arr,
+        table,
+        kv_len,
+        pos,
+        *extra,
+        q_p,
+        k_pages,
+        k_pages if joint else v_pages,
+    )
     return out[:, :t]
