@@ -4,14 +4,15 @@ computed in the tile loop.
 
 Same contract as `paged_attention` (backends/protocol.py) for prefill chunks without a sliding
 window: q [B, T, N, H], pages [Pg, K, page, H] (or the joint [Pg, 2, K, page, H]), a block
-table, absolute query positions and kv lengths; bf16 or f16, H a multiple of 64, pages whose
-size divides the key block (64).
+table, absolute query positions and kv lengths; bf16 or f16, H a multiple of 64 (up to 256),
+pages whose size divides the key block (`block_k`: 128 keys up to d 128, else 64).
 
 Grid: (query head n, tile of 2 x 64 query rows, batch row b), three warpgroups per program.
 Query head n reads kv head n // (N / K) (GQA: the N / K heads of a group re-read the same
 pages, from L2). Each program walks the key blocks [lo, hi) that any of its rows may see; the
-wrapper computes these bounds (and, per compute warpgroup, the blocks every row sees whole)
-once, in XLA, as a small int32 plan.
+wrapper plans the loop bounds once, in XLA (`_plan`, a small int32 array): per compute
+warpgroup, the blocks every row sees whole (no mask), and with a bias the far and mid blocks
+below, and each block's bucket range.
 
 Softmax in base 2 (float32), with `c = scale * log2(e)` and `bias2 = log2(e) * bias`:
   `s = c q k^T + bias2`,  `m' = max(m, rowmax s)`,  `p = 2^(s - m')`,
@@ -19,13 +20,14 @@ Softmax in base 2 (float32), with `c = scale * log2(e)` and `bias2 = log2(e) * b
 (zeros for a row that sees no key).
 
 Relative bias `bias[m, j] = rel_q[m] . table[bucket(pos[m] - j)]`, never a [T, S] array: the
-wrapper computes each row's value at every bucket, `rel_q table^T` ([B, N, nb, T], float32,
-also as differences between neighbouring buckets). For a key block the rows' distances span
-`[d_lo, d_hi]`, so only buckets `bucket(d_lo)..bucket(d_hi)` occur: the tile starts from the
-first one's per-row column and adds, for each further bucket b, its difference where
-`pos[m] - j >= start(b)` (one compare and select per element and bucket). Far blocks (one
-bucket, most of a long prefill) thus add a per-row constant; blocks past the few log-bucket
-edges of a tile add one select; only blocks near the diagonal loop over several buckets.
+wrapper computes each row's value at every bucket, `rel_q table^T` ([B, N, nb + 1, T], base 2,
+float32), and the differences between neighbouring buckets. For a key block a warpgroup's
+distances span `[d_lo, d_hi]`, so only buckets `bucket(d_lo)..bucket(d_hi)` occur: the tile
+starts from the first one's per-row column and adds, for each further bucket b, its
+difference where `pos[m] - j >= start(b)` (one compare and select per element and bucket).
+Three loops: far blocks (every distance in the last bucket, most of a long prefill) add a
+per-row constant; mid blocks (past the distance from which every bucket is at least as wide as
+a block's span) add one select; the few blocks near the diagonal loop over their buckets.
 
 Keys that are not visible may hold any bytes (NaN included): their logits are masked with a
 select, and in the last block of a program (the only one that can reach past `kv_len`) each
@@ -328,8 +330,14 @@ def _plan(
     return jnp.concatenate(cols, axis=-1).astype(jnp.int32), lut
 
 
+def default_block_k(head_dim: int) -> int:
+    """Keys per step: 128 up to d 128 (541 vs 463 TFLOP/s at 8k on an H200, BENCHMARKS.md);
+    64 above, where two stages of 128 keys do not fit in shared memory."""
+    return 128 if head_dim <= 128 else 64
+
+
 def supported(
-    q: jax.Array, k_pages: jax.Array, sliding_window: int | None, block_k: int = 64
+    q: jax.Array, k_pages: jax.Array, sliding_window: int | None, block_k: int | None = None
 ) -> str | None:
     """Why this kernel does not apply to these inputs (None when it does)."""
     if plgpu is None:
@@ -339,6 +347,7 @@ def supported(
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         return f"needs bf16 or f16 q and pages of the same dtype, got {q.dtype}, {k_pages.dtype}"
     page, hd = k_pages.shape[-2], q.shape[-1]
+    block_k = default_block_k(hd) if block_k is None else block_k
     if hd % 64 or hd > 256:
         return f"head dim must be a multiple of 64 up to 256, got {hd}"
     if block_k % page or page % 8:
@@ -359,12 +368,14 @@ def prefill_attention_hopper(
     rel_table: jax.Array | None = None,
     rel_bias: RelativeBias | None = None,
     *,
-    block_k: int = 64,
+    block_k: int | None = None,
     stages: int = 2,
 ) -> jax.Array:
     """`paged_attention` (backends/protocol.py) for prefill on sm90 GPUs: see the module
-    docstring. `block_k` keys per step (64 or 128), `stages` K/V blocks in flight. Raises
+    docstring. `block_k` keys per step (64 or 128; default `default_block_k`), `stages` K/V
+    blocks in flight (2: three of 128 keys overflow shared memory at d 128). Raises
     `BackendError` for inputs it does not take (`supported` says why)."""
+    block_k = default_block_k(q.shape[-1]) if block_k is None else block_k
     if block_k not in (64, 128):
         raise ValueError(f"block_k must be 64 or 128, got {block_k}")
     if (why := supported(q, k_pages, sliding_window, block_k)) is not None:
