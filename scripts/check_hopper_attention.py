@@ -96,7 +96,7 @@ def check_cases(results: list) -> bool:
     return ok
 
 
-def bench(results: list, iters: int) -> None:
+def bench(results: list, iters: int, tiles: list[tuple[int, int]]) -> None:
     t, nq, nkv, hd, r = 8192, 32, 8, 128, 64
     flops = 4 * t * t / 2 * nq * hd
     spec = RelativeBias(num_buckets=32, num_exact=16, max_distance=4096)
@@ -124,7 +124,7 @@ def bench(results: list, iters: int) -> None:
                         "rel_err": err})  # fmt: skip
         print(f"{impl:48s} {sec * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s  rel_err {err:.2e}", flush=True)
 
-    for block_k, stages in ((64, 2), (64, 3), (128, 2), (128, 3)):
+    for block_k, stages in tiles:
         for bias in (True, False):
             extra = (rq, emb, spec) if bias else (None, None, None)
 
@@ -172,12 +172,15 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-bench", action="store_true", help="only the correctness cases")
+    parser.add_argument("--tiles", default="64,2;128,2",
+                        help="block_k,stages pairs timed, ';' between them")  # fmt: skip
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     results: list = []
     ok = check_cases(results)
     if not args.no_bench:
-        bench(results, args.iters)
+        tiles = [tuple(int(v) for v in pair.split(",")) for pair in args.tiles.split(";")]
+        bench(results, args.iters, tiles)
     if args.json:
         Path(args.json).write_text(json.dumps({"ok": ok, "rows": results}, indent=1))
     sys.exit(0 if ok else 1)

@@ -119,10 +119,13 @@ def _kernel(
         far_end, mid_end = plan_ref[b, tile, 4 + wg], plan_ref[b, tile, 6 + wg]
         kv_len = kvlen_ref[b]
         shape = (BLOCK_Q, block_k)
-        key_col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
         c = scale * LOG2E
         plgpu.barrier_wait(q_bar.at[wg])
         pos = plgpu.load(pos_smem, (), layout=row_layout)
+
+        def key_col():  # [64, block_k] key index within the block (made where used: a
+            # hoisted iota would hold 64 registers a thread through every loop)
+            return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
 
         def column(ref, bucket):  # [64]: each row's value of `ref` at a (dynamic) bucket
             return plgpu.load(ref.at[bucket], (), layout=row_layout)
@@ -130,28 +133,48 @@ def _kernel(
         def edge(s, i, bucket):  # add bucket's step where pos - j >= its start
             thr = pos - i * block_k - starts_ref[bucket]
             step = _bcast(column(delta_smem, bucket), shape)
-            return s + jnp.where(key_col <= _bcast(thr, shape), step, 0.0)
+            return s + jnp.where(key_col() <= _bcast(thr, shape), step, 0.0)
 
-        def far_logits(qk, i, col):  # one bucket (the last): a per-row constant
+        # Each block class: `prep(i)` (loads that do not need the scores, issued before the
+        # Q K^T matmul is waited for) and `logits(qk, i, prepared)`.
+        def far_prep(i):  # one bucket (the last): a per-row constant
+            del i
+            return far_col
+
+        def far_logits(qk, i, col):
             return qk * c + _bcast(col, shape)
 
-        def mid_logits(qk, i, col):  # at most two buckets: one select
-            del col
+        def mid_prep(i):  # at most two buckets: one select between two per-row columns
             b_lo = lut_ref[b, tile, wg, i] & 255
-            return edge(qk * c + _bcast(column(cols_smem, b_lo), shape), i, b_lo + 1)
+            thr = pos - i * block_k - starts_ref[b_lo + 1]
+            return thr, column(cols_smem, b_lo), column(cols_smem, b_lo + 1)
 
-        def near_logits(qk, i, col):  # a loop over the buckets the block's distances span
-            del col
+        def mid_logits(qk, i, prepared):
+            thr, lo_col, hi_col = (_bcast(v, shape) for v in prepared)
+            return qk * c + jnp.where(key_col() <= thr, hi_col, lo_col)
+
+        def near_prep(i):  # a loop over the buckets the block's distances span
             packed = lut_ref[b, tile, wg, i]
-            b_lo, b_hi = packed & 255, packed >> 8
-            s = qk * c + _bcast(column(cols_smem, b_lo), shape)
-            return lax.fori_loop(b_lo + 1, b_hi + 1, lambda n, s: edge(s, i, n), s)
+            return packed, column(cols_smem, packed & 255)
 
-        def plain_logits(qk, i, col):
+        def near_logits(qk, i, prepared):
+            packed, first = prepared
+            s = qk * c + _bcast(first, shape)
+            return lax.fori_loop(
+                (packed & 255) + 1, (packed >> 8) + 1, lambda n, s: edge(s, i, n), s
+            )
+
+        def plain_prep(i):
+            del i
+
+        def plain_logits(qk, i, col):  # left unscaled (c > 0): c goes into the exponent's FMA
             del i, col
-            return qk * c
+            return qk if c > 0 else qk * c
 
-        def step(i, carry, logits=plain_logits, col=None, masked=False, tail=False):
+        preps = {far_logits: far_prep, mid_logits: mid_prep, near_logits: near_prep}
+
+        def step(i, carry, logits=plain_logits, masked=False, tail=False):
+            prepared = preps.get(logits, plain_prep)(i)
             acc, m, den = carry
             slot = lax.rem(i - lo, stages)
 
@@ -162,16 +185,17 @@ def _kernel(
 
             qk = pl.run_scoped(qk_scope, plgpu.ACC(shape, jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            s = logits(qk, i, col)
+            s = logits(qk, i, prepared)
             if masked:
-                key = key_col + i * block_k
+                key = key_col() + i * block_k
                 visible = (key <= _bcast(pos, shape)) & (key < kv_len)
                 s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            unscaled = logits is plain_logits and c > 0  # s = q k^T: scale the max, FMA below
+            m_new = jnp.maximum(m, s.max(axis=1) * c if unscaled else s.max(axis=1))
             # a row that has seen no key yet keeps m = -inf: its exponents count from 0
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s - _bcast(m_use, shape))
+            p = jnp.exp2((s * c if unscaled else s) - _bcast(m_use, shape))
             acc = acc * _bcast(alpha, acc.shape)
             den = den * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
@@ -239,7 +263,7 @@ def _kernel(
             masked_logits = plain_logits
         carry = (acc, m, den)
         for start, stop, logits in loops:
-            body = functools.partial(step, logits=logits, col=far_col)
+            body = functools.partial(step, logits=logits)
             carry = lax.fori_loop(start, stop, body, carry)
         body = functools.partial(step, logits=masked_logits, masked=True)
         carry = lax.fori_loop(unmasked_end, last, body, carry)
