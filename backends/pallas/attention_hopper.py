@@ -374,6 +374,8 @@ def supported(
     block_k = default_block_k(hd) if block_k is None else block_k
     if hd % 64 or hd > 256:
         return f"head dim must be a multiple of 64 up to 256, got {hd}"
+    if block_k > 64 and hd > 128:
+        return f"blocks of {block_k} keys at head dim {hd} overflow shared memory (use 64)"
     if block_k % page or page % 8:
         return f"page size must divide the key block ({block_k}) and be a multiple of 8: {page}"
     return None

@@ -4,6 +4,7 @@ gathered into a contiguous cache, and the mask and relative bias become SDPA's a
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
@@ -46,10 +47,10 @@ def paged_attention(
         seen = visible.any(1)[:, None, :, None]  # [B, 1, S, 1]: unseen keys may be garbage
         k, v = torch.where(seen, k, 0.0), torch.where(seen, v, 0.0)
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=qt.device)[:, None]
-        if rel:
-            rq, tab = rel
+        if rel:  # the bucket starts come in as a device array (no host copy: graph-safe)
+            rq, tab, edges = rel
             per_bucket = torch.einsum("btnd,ed->bnte", rq.float(), tab.float())
-            edges = torch.tensor(bounds, device=qt.device)
+            edges = edges.long()
             bucket = torch.bucketize((qp - key_pos).clamp(min=0), edges, right=True) - 1
             idx = bucket[:, None].expand(-1, per_bucket.shape[1], -1, -1)  # [B, N, T, S]
             mask = torch.gather(per_bucket, 3, idx)
@@ -66,6 +67,6 @@ def paged_attention(
         ).transpose(1, 2)
         return torch.where(empty[:, :, None, None], 0.0, out).to(qt.dtype)
 
-    rel = () if rel_bias is None else (rel_q, rel_table)
+    rel = () if rel_bias is None else (rel_q, rel_table, jnp.asarray(bounds, jnp.int32))
     arrays = (q, k_pages, v_pages, block_table, q_positions, kv_lengths, *rel)
     return call(fn, jax.ShapeDtypeStruct(q.shape, q.dtype), *arrays)

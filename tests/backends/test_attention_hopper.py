@@ -85,6 +85,9 @@ def test_supported_names_what_it_declines():
     odd = jnp.zeros((1, 128, 8, 80), jnp.bfloat16)
     assert "head dim" in attention_hopper.supported(odd, pages[..., :80], None)
     assert "page size" in attention_hopper.supported(q, jnp.zeros((9, 2, 12, 128), q.dtype), None)
+    wide = jnp.zeros((1, 128, 8, 256), jnp.bfloat16)
+    assert "shared memory" in attention_hopper.supported(wide, pages[..., :1], None, 128)
+    assert attention_hopper.supported(wide, jnp.zeros((9, 2, 16, 256), wide.dtype), None) is None
     assert attention_hopper.default_block_k(128) == 128
     assert attention_hopper.default_block_k(256) == 64
 
