@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from backends.pallas import attention, attention_hopper
+from backends.pallas import attention, attention_hopper, hopper_plan
 from backends.protocol import RelativeBias
 
 SPECS = [RelativeBias(12, 3, 100), RelativeBias(32, 16, 4096)]
@@ -39,7 +39,7 @@ def test_plan_matches_brute_force(block_k, spec):
     kv_len = starts_rows + valid
     n_blocks = -(-int(kv_len.max()) // block_k) + 1
     bounds = spec.boundaries()
-    plan, lut = jax.jit(attention_hopper._plan, static_argnums=(2, 3, 4, 5))(
+    plan, lut = jax.jit(hopper_plan.plan_loops, static_argnums=(2, 3, 4, 5))(
         jnp.asarray(pos, jnp.int32), jnp.asarray(kv_len, jnp.int32), tiles, block_k, n_blocks,
         bounds,
     )  # fmt: skip
