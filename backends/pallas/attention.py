@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends.pallas import attention_hopper
 from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.pallas.attention_hopper import prefill_attention_hopper
+from backends.pallas.hopper_plan import supported as hopper_supported
 from backends.protocol import BackendError, RelativeBias, register
 
 F32 = jnp.float32
@@ -334,8 +335,8 @@ def paged_attention(
 ) -> jax.Array:
     # Prefill chunks on Hopper: the Mosaic GPU kernel (wgmma, TMA), where it takes the inputs.
     hopper = q.shape[1] >= HOPPER_MIN_TOKENS and hopper_gpu()
-    if hopper and attention_hopper.supported(q, k_pages, sliding_window) is None:
-        return attention_hopper.prefill_attention_hopper(
+    if hopper and hopper_supported(q, k_pages, sliding_window) is None:
+        return prefill_attention_hopper(
             q, k_pages, v_pages, block_table, q_positions, kv_lengths, scale,
             sliding_window, rel_q, rel_table, rel_bias,
         )  # fmt: skip
