@@ -14,6 +14,10 @@ Mamba2, attention, MLP; written once as a converted checkpoint). For each, in bf
      logits check is the criterion); then the same in float32 against xla's float32 tokens
      (`greedy_agree_f32`: there they should agree in full).
 
+With `--logits-only`, step 1 alone (no generation, no float32 run of the backends): a few
+compiles, e.g. to try the Hopper prefill attention inside the engine on the ~1B model (d 128)
+with `--skip-default` (set HYBRIDSERVE_HOPPER_ATTENTION=0 for the Triton kernel instead).
+
     python scripts/check_gpu_backends.py [--backends pallas torch] [--json out.json]
 """
 
@@ -63,9 +67,14 @@ def random_billion(dst: Path) -> int:
 def run_backend(
     model: str, backend: str, dtype: str, prompt: list[int], prompts: list, new_tokens: int
 ) -> dict:
+    """The prompt's logits, then (unless `new_tokens` is 0) greedy tokens of `prompts`."""
     llm = LLM(model, dtype=dtype, backend=backend, max_model_len=1024, max_num_seqs=16,
               max_num_batched_tokens=512, max_prefill_chunk=256, progress=False)  # fmt: skip
     logits = np.asarray(jnp.asarray(llm.engine.runner.sequence_logits(prompt), jnp.float32))
+    if new_tokens == 0:
+        del llm
+        gc.collect()
+        return {"logits": logits, "tokens": [[] for _ in prompts], "tok_per_s": None}
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # compile the common shapes
     start = time.perf_counter()
@@ -109,7 +118,8 @@ def check(
     for backend in backends:
         try:
             got = run_backend(model, backend, "bfloat16", prompt, prompts, new_tokens)
-            exact = run_backend(model, backend, "float32", prompt, prompts, new_tokens)
+            exact = got if new_tokens == 0 else run_backend(
+                model, backend, "float32", prompt, prompts, new_tokens)  # fmt: skip
         except Exception as exc:  # noqa: BLE001  (report, go on with the next backend)
             rows.append({"model": name, "backend": backend, "error": f"{exc}"[:300], "ok": False})
             print(json.dumps(rows[-1]), flush=True)
@@ -133,15 +143,24 @@ def main() -> None:
     parser.add_argument("--skip-billion", action="store_true", help="the default model only")
     parser.add_argument("--skip-default", action="store_true", help="the ~1B model only")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--logits-only", action="store_true",
+                        help="only the prompt-logits check (no generation, no float32 run of "
+                             "the backends): a few compiles")  # fmt: skip
     args = parser.parse_args()
+    new_tokens = (0, 0) if args.logits_only else (32, 8)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    rows = [] if args.skip_default else check("default", str(DEFAULT_MODEL), args.backends, 8, 32)
+    rows = (
+        []
+        if args.skip_default
+        else check("default", str(DEFAULT_MODEL), args.backends, 8, new_tokens[0])
+    )
     if not args.skip_billion:
         with tempfile.TemporaryDirectory() as tmp:
             count = random_billion(Path(tmp) / "random-1b")
             print(f"random hybrid: {count / 1e9:.2f}B parameters, pattern {PATTERN}", flush=True)
             name, path = f"random {count / 1e9:.2f}B", str(Path(tmp) / "random-1b")
-            rows += check(name, path, args.backends, 2, 8)  # few shapes: each compile is long
+            # few shapes: each compile is long
+            rows += check(name, path, args.backends, 2, new_tokens[1])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if not all(r["ok"] for r in rows):
