@@ -31,14 +31,16 @@ a block's span) add one select; the few blocks near the diagonal loop over their
 
 Keys that are not visible may hold any bytes (NaN included): their logits are masked with a
 select, and in the last block of a program (the only one that can reach past `kv_len`) each
-compute warpgroup copies V through registers into its query buffer (free by then), zeroing the
-rows at or past `kv_len`, so that `0 * NaN` never reaches the output.
+compute warpgroup copies V through registers into its query buffer (free by then; 64 rows at a
+time, two matmuls for a 128-key block), zeroing the rows at or past `kv_len`, so that `0 * NaN`
+never reaches the output.
 
 Lifecycle of one program (3 warpgroups: 0 and 1 compute, 2 memory):
  1. Memory warpgroup: for the first `stages` blocks of [lo, hi), TMA-copies each block's pages
     of K and V (kv head n // (N/K)) into ring slot `(i - lo) % stages`, each copy arriving on
     the slot's K or V barrier.
- 2. Compute warpgroup w: TMA-copies its 64 query rows into its own buffer and waits for them.
+ 2. Compute warpgroup w: TMA-copies its 64 query rows, their positions and (with a bias)
+    their per-bucket columns into its own buffers and waits for them.
  3. For each block i: wait K(i); `S = Q K^T` (wgmma); arrive on K-consumed(i); mask / bias /
     online softmax; wait V(i); `acc += P V` (wgmma); arrive on V-consumed(i). A schedule
     barrier shared by the two compute warpgroups staggers them (one runs its softmax while the
