@@ -96,7 +96,7 @@ def check_cases(results: list) -> bool:
     return ok
 
 
-def bench(results: list, iters: int, tiles: list[tuple[int, int]]) -> None:
+def bench(results: list, iters: int, tiles: list[tuple[int, ...]]) -> None:
     t, nq, nkv, hd, r = 8192, 32, 8, 128, 64
     flops = 4 * t * t / 2 * nq * hd
     spec = RelativeBias(num_buckets=32, num_exact=16, max_distance=4096)
@@ -114,9 +114,9 @@ def bench(results: list, iters: int, tiles: list[tuple[int, int]]) -> None:
     kvl = jnp.full((1,), t, jnp.int32)
     scale = hd**-0.5
     n = 1024
-    ref = get_op("paged_attention", "xla")(q[:, :n], kp, vp, table, pos[:, :n],
-                                           jnp.full((1,), n, jnp.int32), scale, None,
-                                           rq[:, :n], emb, spec)  # fmt: skip
+    small_args = (q[:, :n], kp, vp, table, pos[:, :n], jnp.full((1,), n, jnp.int32), scale, None)
+    refs = {True: get_op("paged_attention", "xla")(*small_args, rq[:, :n], emb, spec),
+            False: get_op("paged_attention", "xla")(*small_args)}  # fmt: skip
 
     def add(impl, sec, err):
         tf = flops / sec / 1e12
@@ -124,22 +124,27 @@ def bench(results: list, iters: int, tiles: list[tuple[int, int]]) -> None:
                         "rel_err": err})  # fmt: skip
         print(f"{impl:48s} {sec * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s  rel_err {err:.2e}", flush=True)
 
-    for block_k, stages in tiles:
+    for block_k, stages, *named in tiles:
+        named = bool(named and named[0])
         for bias in (True, False):
             extra = (rq, emb, spec) if bias else (None, None, None)
 
-            def f(q, kp, vp, table, pos, kvl, rq, extra=extra, stages=stages, bk=block_k):
+            def f(q, kp, vp, table, pos, kvl, rq, extra=extra, stages=stages, bk=block_k, nm=named):
                 e = (rq, *extra[1:]) if extra[0] is not None else extra
-                return prefill_attention_hopper(q, kp, vp, table, pos, kvl, scale, None, *e,
-                                                block_k=bk, stages=stages)  # fmt: skip
+                return prefill_attention_hopper(
+                    q, kp, vp, table, pos, kvl, scale, None, *e, block_k=bk, stages=stages,
+                    named_barriers=nm)  # fmt: skip
 
             try:
                 fn = jax.jit(f)
                 small = fn(q[:, :n], kp, vp, table, pos[:, :n], jnp.full((1,), n, jnp.int32),
                            rq[:, :n])  # fmt: skip
-                err = rel_err(small, ref) if bias else float("nan")
+                err = rel_err(small, refs[bias])
                 sec = timed(fn, q, kp, vp, table, pos, kvl, rq, iters=iters)
-                name = f"hopper mosaic k{block_k} stages {stages} {'bias' if bias else 'nobias'}"
+                name = (
+                    f"hopper mosaic k{block_k} stages {stages}{' named' if named else ''} "
+                    f"{'bias' if bias else 'nobias'}"
+                )
                 add(name, sec, err)
             except Exception as exc:  # noqa: BLE001
                 print(
@@ -173,7 +178,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-bench", action="store_true", help="only the correctness cases")
     parser.add_argument("--tiles", default="64,2;128,2",
-                        help="block_k,stages pairs timed, ';' between them")  # fmt: skip
+                        help="block_k,stages[,named] timed, ';' between them (named 1: "
+                             "named-barrier ping-pong)")  # fmt: skip
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     results: list = []

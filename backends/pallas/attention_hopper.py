@@ -59,6 +59,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -75,6 +77,20 @@ def _ref_t(ref):
     return ref.transpose((1, 0)) if NEW_REF_API else plgpu.transpose_ref(ref, (1, 0))
 
 
+SCHED = 8  # named barriers SCHED + w: compute warpgroup w's turn (Mosaic GPU uses the low ids)
+
+
+def _bar(op: str, barrier: int, threads: int) -> None:
+    """A hardware named barrier: `bar.arrive` or `bar.sync` on a static barrier id."""
+
+    @plgpu.inline_mgpu()
+    def ptx(_):
+        void = ir.Type.parse("!llvm.void")
+        llvm.inline_asm(void, [], f"bar.{op} {barrier}, {threads};", "", has_side_effects=True)
+
+    ptx()
+
+
 def _row(x):
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
 
@@ -85,7 +101,7 @@ def _bcast(v, shape):
 
 def _kernel(
     plan_ref, lut_ref, starts_ref, table_ref, kvlen_ref, pos_ref, cols_ref, delta_ref, q_ref,
-    k_ref, v_ref, o_ref, scoped, *, ratio, page, block_k, stages, scale, joint, nb,
+    k_ref, v_ref, o_ref, scoped, *, ratio, page, block_k, stages, scale, joint, nb, named,
 ):  # fmt: skip
     (q_smem2, k_smem, v_smem, row_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     b, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
@@ -97,9 +113,17 @@ def _kernel(
     rel = cols_ref is not None
     wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
 
-    def sync():
+    def sync():  # both compute warpgroups meet (the shared schedule mbarrier)
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
+
+    def pass_turn():  # named barriers: let the other compute warpgroup go on
+        for w in (0, 1):
+            pl.when(wg == w)(functools.partial(_bar, "arrive", SCHED + 1 - w, 256))
+
+    def await_turn():  # named barriers: wait until the other one passed the turn
+        for w in (0, 1):
+            pl.when(wg == w)(functools.partial(_bar, "sync", SCHED + w, 256))
 
     @pl.when(wg < 2)
     def _compute():
@@ -178,7 +202,10 @@ def _kernel(
 
             def qk_scope(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, _ref_t(k_smem.at[slot]))
-                sync()
+                if named:
+                    pass_turn()
+                else:
+                    sync()
                 return acc_ref[...]
 
             qk = pl.run_scoped(qk_scope, plgpu.ACC(shape, jnp.float32))
@@ -198,9 +225,13 @@ def _kernel(
             den = den * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
             acc, den, m_new, p16 = lax.optimization_barrier((acc, den, m_new, p16))
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)
+            if named:  # tensor cores in turn: this one's P V after the other's Q K^T
+                plgpu.barrier_wait(v_bar.at[slot])
+                await_turn()
+            else:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
 
             def wait_next():
                 nxt = i + 1
@@ -242,7 +273,10 @@ def _kernel(
         def _():
             plgpu.barrier_wait(k_bar.at[0])
 
-        pl.when(wg == 1)(sync)
+        if named:  # warpgroup 1 starts once warpgroup 0 issued its first Q K^T
+            pl.when(wg == 1)(functools.partial(_bar, "sync", SCHED + 1, 256))
+        else:
+            pl.when(wg == 1)(sync)
         last = jnp.maximum(hi - 1, lo)
         unmasked_end = jnp.clip(whole, lo, last)
         if rel:  # far, mid and near blocks (all seen whole), then the masked ones
@@ -268,7 +302,10 @@ def _kernel(
         body = functools.partial(step, logits=masked_logits, masked=True, tail=True)
         carry = lax.fori_loop(last, hi, body, carry)
         acc, m, den = carry
-        pl.when(wg == 0)(sync)
+        if named:  # the turn warpgroup 1 waits for before its last P V
+            pl.when(wg == 0)(functools.partial(_bar, "arrive", SCHED + 1, 256))
+        else:
+            pl.when(wg == 0)(sync)
         out = acc / _bcast(jnp.where(den == 0.0, 1.0, den), acc.shape)
         q_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
@@ -323,10 +360,14 @@ def prefill_attention_hopper(
     *,
     block_k: int | None = None,
     stages: int = 2,
+    named_barriers: bool = False,
 ) -> jax.Array:
     """`paged_attention` (backends/protocol.py) for prefill on sm90 GPUs: see the module
     docstring. `block_k` keys per step (64 or 128; default `default_block_k`), `stages` K/V
-    blocks in flight (2: three of 128 keys overflow shared memory at d 128). Raises
+    blocks in flight (2: three of 128 keys overflow shared memory at d 128).
+    `named_barriers` (experimental, unmeasured): the two compute warpgroups take turns on the
+    tensor cores through hardware named barriers (`bar.arrive` / `bar.sync`, FA3's ping-pong)
+    instead of meeting at a shared mbarrier twice a block. Raises
     `BackendError` for inputs it does not take (`supported` says why)."""
     block_k = default_block_k(q.shape[-1]) if block_k is None else block_k
     if block_k not in (64, 128):
@@ -364,7 +405,7 @@ def prefill_attention_hopper(
     starts_arr = jnp.asarray((*starts, 2**30), jnp.int32)
     kernel = functools.partial(
         _kernel, ratio=nq // nkv, page=page, block_k=block_k, stages=stages, scale=scale,
-        joint=joint, nb=nb,
+        joint=joint, nb=nb, named=named_barriers,
     )  # fmt: skip
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bucket_rows = None if not starts else plgpu.SMEM((2, nb + 1, BLOCK_Q), jnp.float32)

@@ -106,8 +106,11 @@ def test_pallas_takes_it_only_on_hopper(monkeypatch):
 @pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None, reason="needs the CUDA plugin"
 )
-@pytest.mark.parametrize("rel,block_k,page", [(True, 64, 16), (True, 128, 64), (False, 128, 32)])
-def test_lowers_for_cuda(monkeypatch, rel, block_k, page):
+@pytest.mark.parametrize(
+    "rel,block_k,page,named",
+    [(True, 64, 16, False), (True, 128, 64, False), (False, 128, 32, False), (True, 128, 64, True)],
+)
+def test_lowers_for_cuda(monkeypatch, rel, block_k, page, named):
     monkeypatch.setenv("HYBRIDSERVE_PALLAS_INTERPRET", "0")
     spec = SPECS[1]
     sds = jax.ShapeDtypeStruct
@@ -119,8 +122,9 @@ def test_lowers_for_cuda(monkeypatch, rel, block_k, page):
     def f(q, kp, vp, table, pos, kv_len, rq, emb):
         extra = (rq, emb, spec) if rel else (None, None, None)
         return attention_hopper.prefill_attention_hopper(
-            q, kp, vp, table, pos, kv_len, h**-0.5, None, *extra, block_k=block_k
-        )
+            q, kp, vp, table, pos, kv_len, h**-0.5, None, *extra, block_k=block_k,
+            named_barriers=named,
+        )  # fmt: skip
 
     lowered = jax.jit(f).trace(*args, args[1], *rest, *rel_args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
