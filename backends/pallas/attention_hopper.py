@@ -59,10 +59,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 
 from backends.pallas._common import interpret
 from backends.pallas.hopper_plan import BLOCK_Q, default_block_k, plan_loops, supported
