@@ -250,12 +250,20 @@ class PagedAttention(Protocol):
         """
 
 
-def split_kv(k_pages: Array, v_pages: Array | None) -> tuple[Array, Array]:
-    """`paged_attention`'s pages as separate K and V ([Pg, K, page, H] each) in either form."""
+def is_joint_kv(k_pages: Array, v_pages: Array | None) -> bool:
+    """Do `paged_attention`'s pages come joint (`v_pages` None: k_pages [Pg, 2, K, page, H])?
+    Raises `ValueError` when they are joint but not of that shape."""
     if v_pages is not None:
-        return k_pages, v_pages
+        return False
     if k_pages.ndim != 5 or k_pages.shape[1] != 2:
         raise ValueError(f"joint K|V pages must be [Pg, 2, K, page, H], got {k_pages.shape}")
+    return True
+
+
+def split_kv(k_pages: Array, v_pages: Array | None) -> tuple[Array, Array]:
+    """`paged_attention`'s pages as separate K and V ([Pg, K, page, H] each) in either form."""
+    if not is_joint_kv(k_pages, v_pages):
+        return k_pages, v_pages
     return k_pages[:, 0], k_pages[:, 1]
 
 

@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.pallas.attention_hopper import prefill_attention_hopper
 from backends.pallas.hopper_plan import supported as hopper_supported
-from backends.protocol import BackendError, RelativeBias, register
+from backends.protocol import BackendError, RelativeBias, is_joint_kv, register
 
 F32 = jnp.float32
 NEG = -1e30  # masked logits: finite, so that exp(m - m') never sees inf - inf
@@ -212,9 +212,7 @@ def paged_attention_tiled(
     `splits` > 1: split-KV, each (row, kv head, row tile) program's key blocks shared among
     that many programs, whose normalised outputs are merged by their log-sum-exps."""
     bsz, t, nq, hd = q.shape
-    joint = v_pages is None  # [Pg, 2, K, page, H]: both halves read from the one array
-    if joint and (k_pages.ndim != 5 or k_pages.shape[1] != 2):
-        raise ValueError(f"joint K|V pages must be [Pg, 2, K, page, H], got {k_pages.shape}")
+    joint = is_joint_kv(k_pages, v_pages)  # both halves read from the one array
     nkv, page = k_pages.shape[-3], k_pages.shape[-2]
     ratio = nq // nkv
     interp = interpret()

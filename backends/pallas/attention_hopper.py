@@ -66,7 +66,7 @@ from jaxlib.mlir.dialects import llvm
 
 from backends.pallas._common import interpret
 from backends.pallas.hopper_plan import BLOCK_Q, default_block_k, plan_loops, supported
-from backends.protocol import BackendError, RelativeBias
+from backends.protocol import BackendError, RelativeBias, is_joint_kv
 
 LOG2E = math.log2(math.e)
 NEW_REF_API = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
@@ -193,10 +193,12 @@ def _kernel(
             del i, col
             return qk if c > 0 else qk * c
 
-        preps = {far_logits: far_prep, mid_logits: mid_prep, near_logits: near_prep}
+        far_kind, mid_kind = (far_prep, far_logits), (mid_prep, mid_logits)
+        near_kind, plain_kind = (near_prep, near_logits), (plain_prep, plain_logits)
 
-        def step(i, carry, logits=plain_logits, masked=False, tail=False):
-            prepared = preps.get(logits, plain_prep)(i)
+        def step(i, carry, kind=plain_kind, masked=False, tail=False):
+            prep, logits = kind
+            prepared = prep(i)
             acc, m, den = carry
             slot = lax.rem(i - lo, stages)
 
@@ -283,23 +285,18 @@ def _kernel(
             far_col = column(cols_smem, nb - 1)
             far = jnp.clip(far_end, lo, unmasked_end)
             mid = jnp.clip(mid_end, far, unmasked_end)
-            loops = [
-                (lo, far, far_logits),
-                (far, mid, mid_logits),
-                (mid, unmasked_end, near_logits),
-            ]
-            masked_logits = near_logits
+            loops = [(lo, far, far_kind), (far, mid, mid_kind), (mid, unmasked_end, near_kind)]
+            masked_kind = near_kind
         else:
             far_col = None
-            loops = [(lo, unmasked_end, plain_logits)]
-            masked_logits = plain_logits
+            loops = [(lo, unmasked_end, plain_kind)]
+            masked_kind = plain_kind
         carry = (acc, m, den)
-        for start, stop, logits in loops:
-            body = functools.partial(step, logits=logits)
-            carry = lax.fori_loop(start, stop, body, carry)
-        body = functools.partial(step, logits=masked_logits, masked=True)
+        for start, stop, kind in loops:
+            carry = lax.fori_loop(start, stop, functools.partial(step, kind=kind), carry)
+        body = functools.partial(step, kind=masked_kind, masked=True)
         carry = lax.fori_loop(unmasked_end, last, body, carry)
-        body = functools.partial(step, logits=masked_logits, masked=True, tail=True)
+        body = functools.partial(step, kind=masked_kind, masked=True, tail=True)
         carry = lax.fori_loop(last, hi, body, carry)
         acc, m, den = carry
         if named:  # the turn warpgroup 1 waits for before its last P V
@@ -375,9 +372,7 @@ def prefill_attention_hopper(
     if (why := supported(q, k_pages, sliding_window, block_k)) is not None:
         raise BackendError(f"hopper prefill attention: {why}")
     bsz, t, nq, hd = q.shape
-    joint = v_pages is None
-    if joint and (k_pages.ndim != 5 or k_pages.shape[1] != 2):
-        raise ValueError(f"joint K|V pages must be [Pg, 2, K, page, H], got {k_pages.shape}")
+    joint = is_joint_kv(k_pages, v_pages)
     nkv, page = k_pages.shape[-3], k_pages.shape[-2]
     tile = 2 * BLOCK_Q
     tiles = -(-t // tile)
