@@ -25,32 +25,12 @@ from backends.pallas.attention import paged_attention_tiled
 from backends.pallas.attention_hopper import prefill_attention_hopper, supported
 from backends.protocol import RelativeBias, get_op
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests" / "backends")]
 from kernel_timing import rel_err, timed  # noqa: E402
+from paged_inputs import paged_inputs  # noqa: E402  (the backend tests' NaN-poisoned inputs)
 
 BF = jnp.bfloat16
-
-
-def poisoned(rng, bsz, t, nq, nkv, hd, page, starts, kv_len, r=16, nb=12):
-    """Paged inputs with NaN in every slot past each row's kv_len and in unused pages."""
-    nblk = -(-int(max(max(kv_len), 1)) // page) + 1
-    n_pages = bsz * nblk + 3
-    kp = rng.standard_normal((n_pages, nkv, page, hd)).astype(np.float32)
-    vp = rng.standard_normal((n_pages, nkv, page, hd)).astype(np.float32)
-    table = rng.permutation(np.arange(1, n_pages))[: bsz * nblk].reshape(bsz, nblk)
-    for b in range(bsz):
-        for j in range(kv_len[b], nblk * page):
-            kp[table[b, j // page], :, j % page] = np.nan
-            vp[table[b, j // page], :, j % page] = np.nan
-    unused = np.setdiff1d(np.arange(n_pages), table)
-    kp[unused], vp[unused] = np.nan, np.nan
-    q = rng.standard_normal((bsz, t, nq, hd))
-    pos = (np.asarray(starts)[:, None] + np.arange(t)).astype(np.int32)
-    rel_q = rng.standard_normal((bsz, t, nq, r)) * 0.5
-    rel_table = rng.standard_normal((nb, r))
-    return (jnp.asarray(q, BF), jnp.asarray(kp, BF), jnp.asarray(vp, BF),
-            jnp.asarray(table, jnp.int32), jnp.asarray(pos), jnp.asarray(kv_len, jnp.int32),
-            jnp.asarray(rel_q, BF), jnp.asarray(rel_table, BF))  # fmt: skip
 
 
 def check_cases(results: list) -> bool:
@@ -65,8 +45,8 @@ def check_cases(results: list) -> bool:
     ]
     rng = np.random.default_rng(0)
     for n, (bsz, t, nq, nkv, hd, page, starts, kv_len) in enumerate(cases):
-        q, kp, vp, table, pos, kvl, rq, emb = poisoned(rng, bsz, t, nq, nkv, hd, page, starts,
-                                                       kv_len)  # fmt: skip
+        (q, kp, vp, table, pos), kvl, rq, emb = paged_inputs(
+            rng, bsz, t, nq, nkv, hd, page, BF, starts, np.asarray(kv_len), dr=16)  # fmt: skip
         for rel, joint, block_k in ((False, False, 64), (True, True, 64), (True, False, 128),
                                     (False, True, 128)):  # fmt: skip
             if supported(q, kp, None, block_k) is not None:  # e.g. 128 keys at d 256

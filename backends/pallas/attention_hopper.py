@@ -288,7 +288,6 @@ def _kernel(
             loops = [(lo, far, far_kind), (far, mid, mid_kind), (mid, unmasked_end, near_kind)]
             masked_kind = near_kind
         else:
-            far_col = None
             loops = [(lo, unmasked_end, plain_kind)]
             masked_kind = plain_kind
         carry = (acc, m, den)

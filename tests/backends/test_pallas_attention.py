@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_shared_suite import _check, _paged_inputs, _rng
+from paged_inputs import paged_inputs as _paged_inputs
+from test_shared_suite import _check, _rng
 from triton_export import assert_lowers_to_triton
 
 from backends.pallas.attention import paged_attention_tiled
