@@ -28,6 +28,7 @@ from backends.protocol import RelativeBias, get_op
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests" / "backends")]
 from kernel_timing import rel_err, timed  # noqa: E402
+from kernels_json import run_meta  # noqa: E402
 from paged_inputs import paged_inputs  # noqa: E402  (the backend tests' NaN-poisoned inputs)
 
 BF = jnp.bfloat16
@@ -156,6 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--commit", help="the code's commit, for the JSON (default: HEAD)")
     parser.add_argument("--no-bench", action="store_true", help="only the correctness cases")
     parser.add_argument("--tiles", default="64,2;128,2",
                         help="block_k,stages[,named] timed, ';' between them (named 1: "
@@ -168,7 +170,8 @@ def main() -> None:
         tiles = [tuple(int(v) for v in pair.split(",")) for pair in args.tiles.split(";")]
         bench(results, args.iters, tiles)
     if args.json:
-        Path(args.json).write_text(json.dumps({"ok": ok, "rows": results}, indent=1))
+        record = {**run_meta(args.commit), "ok": ok, "rows": results}
+        Path(args.json).write_text(json.dumps(record, indent=1))
     sys.exit(0 if ok else 1)
 
 

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 from check_gpu_backends import agree  # scripts/, beside this file
+from kernels_json import run_meta
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.torch import bridge
@@ -115,7 +116,8 @@ def main() -> None:
         default=["xla", "auto", "torch"],
         help="engines to run (default xla auto torch; torch+graphs: experimental, see run())",
     )
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", help="write the rows here, with the run's date and device")
+    parser.add_argument("--commit", help="the code's commit, for the JSON (default: HEAD)")
     parser.add_argument(
         "--breakdown", action="store_true", help="count the torch engine's callbacks (see above)"
     )
@@ -157,7 +159,7 @@ def main() -> None:
             row["callbacks"] = res["callbacks"]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({**run_meta(args.commit), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,16 +46,20 @@ def kernels_json(rows: list[dict], args: argparse.Namespace, bandwidth: float, s
                 **rest,
             }
         )
+    return {**run_meta(args.commit), "copy_gbps": bandwidth / 1e9, "rows": out}
+
+
+def run_meta(commit: str | None = None) -> dict:
+    """What a benchmark JSON records of its run: date, commit (given, else this checkout's
+    HEAD) and device."""
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": args.commit or _git_head(),
+        "commit": commit or git_head(),
         "device": jax.devices()[0].device_kind,
-        "copy_gbps": bandwidth / 1e9,
-        "rows": out,
     }
 
 
-def _git_head() -> str:
+def git_head() -> str:
     """The short commit of this checkout, "" where there is no git repository."""
     try:
         out = subprocess.run(
