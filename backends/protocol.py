@@ -21,7 +21,7 @@ from typing import Protocol
 
 import jax
 
-from backends.fused import Linear, Mamba2DecodePaged
+from backends.fused import Linear, Mamba2DecodePaged, Norm
 
 Array = jax.Array
 
@@ -295,6 +295,48 @@ class Nvfp4GroupedMatmul(Protocol):
         """
 
 
+class Fp8Linear(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        w: Array,
+        w_scale: Array,
+        x_scale: Array | None,
+        bias: Array | None = None,
+        norm: Norm | None = None,
+        activation: str | None = None,
+        residual: Array | None = None,
+        scale: float = 1.0,
+    ) -> Array:
+        """`linear` over e4m3 weight rows (`backends.fp8`, W8A8 with static scales):
+          `out = residual + scale * act((q(norm(x), x_scale) w^T) * w_scale + bias)`
+        with `q` the input rounded through e4m3 under its scale (none when x_scale is None),
+        float32 accumulation, the projection rounded to x's dtype before the epilogue.
+
+        Args: x [..., K]; w float8_e4m3fn [N, K]; w_scale float32 [] or [N] (per row);
+          x_scale float32 [] or None; the rest as `linear`.
+        Returns: [..., N] in x's dtype.
+        """
+
+
+class Fp8GroupedMatmul(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        w: Array,
+        w_scale: Array,
+        x_scale: Array | None,
+        group_sizes: Array,
+    ) -> Array:
+        """`grouped_matmul` with e4m3 expert weights and per-expert scales: row r of expert e
+        gives `(q(x_r, x_scale[e]) @ w[e]) * w_scale[e]` (`q` as in `fp8_linear`).
+
+        Args: x [M, K]; w float8_e4m3fn [E, K, N]; w_scale float32 [E]; x_scale float32 [E] or
+          None; group_sizes [E] int32 summing to at most M.
+        Returns: [M, N] in x's dtype (rows past sum(group_sizes) are zero).
+        """
+
+
 OP_SIGNATURES: dict[str, type] = {
     "linear": Linear,
     "rms_norm": RmsNorm,
@@ -308,6 +350,8 @@ OP_SIGNATURES: dict[str, type] = {
     "paged_attention": PagedAttention,
     "grouped_matmul": GroupedMatmul,
     "nvfp4_grouped_matmul": Nvfp4GroupedMatmul,
+    "fp8_linear": Fp8Linear,
+    "fp8_grouped_matmul": Fp8GroupedMatmul,
 }
 
 BACKENDS = ("xla", "pallas", "torch", "tokamax")  # tokamax: single-op overrides
@@ -343,6 +387,8 @@ class Ops:
     paged_attention: PagedAttention
     grouped_matmul: GroupedMatmul
     nvfp4_grouped_matmul: Nvfp4GroupedMatmul
+    fp8_linear: Fp8Linear
+    fp8_grouped_matmul: Fp8GroupedMatmul
 
 
 def _import_backend(backend: str) -> None:

@@ -9,6 +9,10 @@ dimensions; the engine reads it with `load_format="dummy"` and draws bf16 weight
     nano-30b-a3b   NVIDIA-Nemotron-3-Nano-30B-A3B: 52 layers (23 Mamba2, 23 MoE of 128 experts
                    top-6 + 1 shared, 6 attention), hidden 2688, 31.6 B parameters, 3.2 B active
     tiny           8 layers (4 Mamba2, 2 MLP, 2 attention) at toy width, for CPU checks
+    *-fp8          the same shapes as NVIDIA ModelOpt FP8 checkpoints (`quantization_config`
+                   quant_algo FP8, kv_cache_quant_algo FP8) with the Nano FP8 recipe: every
+                   projection and expert in e4m3 except the attention layers, the Mamba2 layer
+                   before each, the conv1d and the lm_head; the KV cache is e4m3
 
     python scripts/random_models.py nano-9b-v2 /tmp/nano9b   # writes /tmp/nano9b/config.json
 """
@@ -105,6 +109,27 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 4096,
     },
 }
+
+
+def fp8_variant(config: dict) -> dict:
+    """`config` as a ModelOpt FP8 checkpoint's (the `*-fp8` shapes of the module docstring)."""
+    pattern = config["hybrid_override_pattern"]
+    exclude = ["lm_head", "*.conv1d", "*.gate"]
+    for i, kind in enumerate(pattern):
+        if kind == "*":
+            exclude.append(f"backbone.layers.{i}.mixer*")
+            if i and pattern[i - 1] == "M":
+                exclude.append(f"backbone.layers.{i - 1}.mixer*")
+    quant = {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "kv_cache_quant_algo": "FP8",
+        "exclude_modules": exclude,
+    }
+    return config | {"quantization_config": quant}
+
+
+SHAPES |= {f"{name}-fp8": fp8_variant(SHAPES[name]) for name in ("nano-9b-v2", "nano-30b-a3b")}
 
 
 def write_config(shape: str, directory: str | Path) -> Path:

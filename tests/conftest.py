@@ -65,3 +65,36 @@ def hf_checkpoint(tmp_path_factory):
         return built[family]
 
     return get
+
+
+# The tiny ModelOpt FP8 checkpoints (modelopt_fp8): the Nano FP8 recipe in miniature. Layer 3
+# (attention) and layer 2 (the Mamba2 layer before it) stay high precision, layer 6 (attention)
+# is FP8, so both kinds of attention block and of Mamba2 block run; conv1d is never quantised.
+FP8_EXCLUDE = ["backbone.layers.2.mixer*", "backbone.layers.3.mixer*", "*conv1d*"]
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(hf_checkpoint, tmp_path_factory):
+    """`fp8_checkpoint(kv)` -> (directory, reference): the nemotron_h checkpoint in ModelOpt FP8
+    form (with FP8 KV scales when `kv`), and a copy of its transformers model that computes as
+    the checkpoint does (`modelopt_fp8.fp8_reference`), built once per `kv`."""
+    import copy
+
+    import modelopt_fp8
+    import numpy as np
+    import torch
+
+    src, hf = hf_checkpoint("nemotron_h")
+    built: dict[bool, tuple[Path, object]] = {}
+
+    def get(kv: bool):
+        if kv not in built:
+            dst = tmp_path_factory.mktemp(f"nemotron_h_fp8_kv{int(kv)}")
+            calib = torch.as_tensor(np.random.default_rng(7).integers(3, 512, size=(4, 24)))
+            modelopt_fp8.write_modelopt_fp8(hf, src, dst, calib, FP8_EXCLUDE, kv=kv)
+            ref = copy.deepcopy(hf)
+            modelopt_fp8.fp8_reference(ref, dst, kv=kv)
+            built[kv] = (dst, ref)
+        return built[kv]
+
+    return get

@@ -8,7 +8,7 @@ op, and `load_ops("pallas", fallback="xla")` fills them from the references.
 interpret mode is chosen when the default jax backend is the CPU.
 """
 
-from backends.pallas import attention, conv, linear, mamba_decode, moe, norm, ssd, ssd_paged  # noqa: F401  (registers the ops)
+from backends.pallas import attention, conv, fp8, linear, mamba_decode, moe, norm, ssd, ssd_paged  # noqa: F401  (registers the ops)
 from backends.protocol import BackendError
 
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm")  # interpret mode on the CPU, Triton on GPUs

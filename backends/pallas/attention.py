@@ -156,7 +156,7 @@ def _kernel(
         p = jnp.exp(logits - m_new[:, None])
         if masked:
             p = jnp.where(visible, p, 0.0)
-        acc = corr[:, None] * acc + dot(p.astype(v.dtype), v.astype(q.dtype))
+        acc = corr[:, None] * acc + dot(p.astype(q.dtype), v.astype(q.dtype))
         return acc, m_new, corr * s_i + jnp.sum(p, axis=1)
 
     rows, width = q.shape

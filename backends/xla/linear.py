@@ -62,6 +62,37 @@ def _group_rms(x: jax.Array, weight: jax.Array, eps: float, group: int) -> jax.A
     return weight * normed.reshape(x.shape).astype(x.dtype)
 
 
+def normed(x: jax.Array, norm: Norm | None, rms: Callable, gated: Callable) -> jax.Array:
+    """`linear`'s input after its norm (x itself without one), in x's dtype."""
+    if norm is None:
+        return x
+    if norm.gate is None and norm.group_size not in (0, x.shape[-1]):
+        return _group_rms(x, norm.weight, norm.eps, norm.group_size).astype(x.dtype)
+    if norm.gate is None:
+        return rms(x, norm.weight, norm.eps).astype(x.dtype)
+    z = norm.gate[..., norm.gate_offset : norm.gate_offset + x.shape[-1]]
+    return gated(x, z, norm.weight, norm.eps, norm.group_size or x.shape[-1]).astype(x.dtype)
+
+
+def finish(
+    y: jax.Array,
+    bias: jax.Array | None,
+    activation: str | None,
+    residual: jax.Array | None,
+    scale: float,
+    dtype: jnp.dtype,
+) -> jax.Array:
+    """`linear`'s epilogue on the projection y: `residual + scale * act(y + bias)` in `dtype`
+    (y rounded to `dtype` first, as the unfused ops round it)."""
+    y = y.astype(dtype)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    y = _activate(y, activation)
+    if residual is not None:
+        y = residual + scale * y
+    return y.astype(dtype)
+
+
 def through(rms: Callable, gated: Callable) -> Callable:
     """`linear` from a backend's `rms_norm` and `gated_rms_norm` (the torch backend reuses
     it), the projection and the rest in plain jax."""
@@ -76,21 +107,9 @@ def through(rms: Callable, gated: Callable) -> Callable:
         scale: float = 1.0,
     ) -> jax.Array:
         check_linear(x, w, bias, norm, activation, residual)
-        h = x
-        if norm is not None and norm.gate is None and norm.group_size not in (0, x.shape[-1]):
-            h = _group_rms(x, norm.weight, norm.eps, norm.group_size)
-        elif norm is not None and norm.gate is None:
-            h = rms(x, norm.weight, norm.eps)
-        elif norm is not None:
-            z = norm.gate[..., norm.gate_offset : norm.gate_offset + x.shape[-1]]
-            h = gated(x, z, norm.weight, norm.eps, norm.group_size or x.shape[-1])
-        y = jnp.einsum("...k,nk->...n", h.astype(x.dtype), w.astype(x.dtype))
-        if bias is not None:
-            y = y + bias.astype(y.dtype)
-        y = _activate(y, activation)
-        if residual is not None:
-            y = residual + scale * y
-        return y.astype(x.dtype)
+        h = normed(x, norm, rms, gated)
+        y = jnp.einsum("...k,nk->...n", h, w.astype(x.dtype))
+        return finish(y, bias, activation, residual, scale, x.dtype)
 
     return linear
 

@@ -40,7 +40,8 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The paged cache. `kv_dtype`/`conv_dtype` "auto" follow the model dtype; the ssm state is
+    """The paged cache. `kv_dtype`/`conv_dtype` "auto" follow the model dtype (the KV cache of a
+    checkpoint with FP8 KV scales is e4m3: "fp8"; name a dtype to override); the ssm state is
     float32 unless set. `num_pages` fixes the pool size; otherwise `memory_bytes` per rank
     (`--kv-cache-memory`) is split into pages; without it, on a device that reports its memory
     (a GPU), the pool takes `gpu_memory_utilization` of the allocator's limit less the weights

@@ -4,11 +4,13 @@ our own Inkling layout (model_type "inkling", parsed in `hybridserve.config.inkl
 Accepts both forms of the Nemotron-H layer layout (the `layers_block_type` list and the legacy
 `hybrid_override_pattern` string), legacy field aliases, and the `{"__float__": "Infinity"}`
 encoding transformers writes for infinite floats. A missing or inconsistent field raises
-`ConfigError` naming the field.
+`ConfigError` naming the field. A ModelOpt-quantised checkpoint's `quantization_config` /
+`hf_quant_config.json` becomes `ModelConfig.quant` (`hybridserve.config.quant`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from hybridserve.config.fields import Fields, common_fields, load_hf_json
 from hybridserve.config.inkling import parse_inkling
 from hybridserve.config.layers import AttentionConfig, MambaConfig, MlpConfig, MoeConfig
 from hybridserve.config.model import ModelConfig
+from hybridserve.config.quant import parse_quant
 
 
 def _mamba(
@@ -259,4 +262,13 @@ def parse_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(
             f"{path}: unsupported model_type {model_type!r}; supported: {sorted(PARSERS)}"
         )
-    return PARSERS[model_type](Fields(raw, f"{path} ({model_type})"))
+    cfg = PARSERS[model_type](Fields(raw, f"{path} ({model_type})"))
+    directory = Path(path) if Path(path).is_dir() else Path(path).parent
+    quant = parse_quant(raw, directory)
+    if quant is None:
+        return cfg
+    if model_type == "inkling":
+        raise ConfigError(
+            f"{path}: quantised checkpoints of model_type 'inkling' are not supported"
+        )
+    return dataclasses.replace(cfg, quant=quant)

@@ -24,6 +24,7 @@ from hybridserve.config.layers import (
     SconvConfig,
     VisionConfig,
 )
+from hybridserve.config.quant import QuantConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ModelConfig:
     With `sconv` (the Inkling blocks, attention mixers only), short convolutions act on the
     keys, values, attention output and ffn output (`SconvConfig`). `vision` / `audio` add the
     multimodal encoders whose embeddings replace placeholder tokens; `mtp` the chained draft
-    heads of speculative decoding.
+    heads of speculative decoding; `quant` how the checkpoint is quantised (ModelOpt FP8).
     """
 
     architecture: str
@@ -62,6 +63,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "float32"
+    quant: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         bad = sorted({k for k in self.layer_types if k not in LAYER_KINDS})
@@ -107,6 +109,12 @@ class ModelConfig:
                 "the last vision width must be the hidden size",
             )
 
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """The KV cache dtype the checkpoint asks for (its FP8 KV scales), or None: the
+        engine's `kv_dtype="auto"` then follows the model dtype."""
+        return None if self.quant is None else self.quant.kv_cache_dtype
+
     def window(self, index: int) -> int | None:
         """The attention window of layer `index` (None: full attention or not attention)."""
         if self.layer_types[index] == "sliding_attention":
@@ -148,6 +156,14 @@ class ModelConfig:
         for key, sub in subs.items():
             if kwargs.get(key) is not None:
                 kwargs[key] = sub(**_unjson(kwargs[key]))
+        if kwargs.get("quant") is not None:
+            q = kwargs["quant"]
+            kwargs["quant"] = QuantConfig(
+                q["algo"],
+                q.get("kv_cache_algo"),
+                tuple(q.get("exclude_modules", ())),
+                tuple(q.get("fp8_params", ())),
+            )
         kwargs["layer_types"] = tuple(kwargs["layer_types"])
         kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
         return cls(**kwargs)

@@ -1,5 +1,5 @@
 """GQA attention with an incremental KV cache; NoPE or (partial) RoPE; an optional learned
-relative-position term ("qkvr")."""
+relative-position term ("qkvr"); an FP8 KV cache with per-layer scales."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from backends import fp8
 from backends.fused import Norm
 from backends.protocol import Ops, RelativeBias
 from hybridserve.cache.view import AttentionAccess, kv_pages, kv_pages_local, write_kv
@@ -34,7 +35,13 @@ class Attention(nnx.Module):
     E the layer's learned table [rel_buckets, R]; `bucket` is `RelativeBias` (distances below
     `rel_exact` exact, then log-spaced starts up to `rel_max_distance`, the last bucket open).
     The kernels compute `r . E^T` per query tile and add it along the shear (never a [T, S]
-    array)."""
+    array).
+
+    FP8 KV cache (a float8 cache dtype): keys and values are stored as `e4m3(k / s_k)` and
+    `e4m3(v / s_v)` (`backends.fp8.quantize`) with the layer's scales (`k_scale`, `v_scale`
+    from an FP8 checkpoint; 1 without them), and the scales fold out of the kernels:
+      `q . k = (s_k q) . k_q`,   `sum_j p_j v_j = s_v sum_j p_j v_q(j)`,
+    so the attention ops read the e4m3 pages as they are (the same contract as any dtype)."""
 
     def __init__(
         self,
@@ -43,10 +50,12 @@ class Attention(nnx.Module):
         ops: Ops,
         *,
         window: int | None = None,
+        kv_scales: bool = False,
         dtype: jnp.dtype,
         rngs: nnx.Rngs | None,
     ) -> None:
-        """`window`: keys at distance < window only (a sliding-window layer); None: all."""
+        """`window`: keys at distance < window only (a sliding-window layer); None: all.
+        `kv_scales`: hold an FP8 checkpoint's per-layer `k_scale` and `v_scale` (float32 [])."""
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=dtype, rngs=rngs, bias=cfg.bias)
         self.q_proj = Einsum("btd,dnh->btnh", (hidden, n, h), ("embed", "heads", None), **kw)
@@ -60,6 +69,11 @@ class Attention(nnx.Module):
             self.rel_bias = RelativeBias(cfg.rel_buckets, cfg.rel_exact, cfg.rel_max_distance)
         else:
             self.r_proj = self.rel_table = self.rel_bias = None
+        if kv_scales:
+            self.k_scale = param(None, (), (), jnp.float32, init="ones")
+            self.v_scale = param(None, (), (), jnp.float32, init="ones")
+        else:
+            self.k_scale = self.v_scale = None
         self.qkv: MergedProjection | None = nnx.data(None)  # `to_rows`
         self.cfg = cfg
         self.window = window
@@ -137,7 +151,12 @@ class Attention(nnx.Module):
         table = inputs.tables[acc.group]
         # Write this step's keys first (rounded to the cache dtype, as later steps read them),
         # then attend over the pages: one in-place write of the region per layer.
-        k, v = k.astype(acc.dtype), v.astype(acc.dtype)
+        k_scale, v_scale = self._kv_scales(acc.dtype)
+        if k_scale is None:
+            k, v = k.astype(acc.dtype), v.astype(acc.dtype)
+        else:
+            k, v = fp8.quantize(k, k_scale, acc.dtype), fp8.quantize(v, v_scale, acc.dtype)
+            q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
         region = write_kv(region, acc, tp, table, inputs.positions, inputs.valid, k, v)
         rel_table = None if rel_q is None else self.rel_table[...]
         mesh = inputs.layout.mesh
@@ -149,7 +168,19 @@ class Attention(nnx.Module):
         else:
             k_pages, v_pages = kv_pages(region, acc, tp)
             out = self._attend(q, k_pages, v_pages, where, rel_q, rel_table)
+        if v_scale is not None:
+            out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
         return out, region
+
+    def _kv_scales(self, cache_dtype: str) -> tuple[jax.Array | None, jax.Array | None]:
+        """(k_scale, v_scale) for a float8 cache (the checkpoint's, or 1); (None, None) for
+        any other cache dtype, which keys and values are simply cast to."""
+        if not fp8.is_float8(cache_dtype):
+            return None, None
+        if self.k_scale is None:
+            one = jnp.ones((), jnp.float32)
+            return one, one
+        return self.k_scale[...], self.v_scale[...]
 
     def _attend(
         self,

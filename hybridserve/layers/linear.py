@@ -5,6 +5,10 @@ first). At tensor parallelism 1 the runner turns it into rows (`Einsum.to_rows`)
 `w [N, K]`, one row per output feature, and the projection then runs through the backend's
 `linear` op, which can take the norm before it and the activation and residual add after it
 (`backends.fused.Linear`): a decode layer's GEMV reads w row by row, with its neighbours fused.
+
+An FP8 projection (`to_fp8`, from a ModelOpt checkpoint) keeps its kernel in e4m3 with a float32
+`weight_scale` and a static `input_scale` (`backends.fp8`): `y = (q(x, s_x) W_q) * s_w`, through
+the backend's `fp8_linear` op once stored as rows.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from backends import fp8
 from backends.fused import Norm
 from backends.protocol import Ops
 
@@ -76,8 +81,28 @@ class Einsum(nnx.Module):
             )
         else:
             self.bias = None
-
+        self.weight_scale: nnx.Param | None = nnx.data(None)  # `to_fp8`
+        self.input_scale: nnx.Param | None = nnx.data(None)
         self.ops: Ops | None = None  # set by `to_rows`
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def to_fp8(self) -> None:
+        """Store the kernel in e4m3 with a per-tensor `weight_scale` (amax / 448 of the current
+        kernel) and an `input_scale` of 1 (an FP8 checkpoint's values replace all three when
+        it is loaded). Before `to_rows`; idempotent."""
+        if self.is_fp8:
+            return
+        if self.rows:
+            raise ValueError("to_fp8 comes before to_rows")
+        kernel = self.kernel[...]
+        axes = self.kernel.get_metadata().get("axes")
+        scale = fp8.tensor_scale(kernel)
+        self.kernel = nnx.Param(fp8.quantize(kernel, scale), axes=axes)
+        self.weight_scale = nnx.Param(scale, axes=())
+        self.input_scale = nnx.Param(jnp.ones((), jnp.float32), axes=())
 
     @property
     def rows(self) -> bool:
@@ -123,14 +148,29 @@ class Einsum(nnx.Module):
         if not self.rows:
             if norm is not None or activation is not None or residual is not None:
                 raise ValueError("a fused projection needs rows (Einsum.to_rows)")
-            y = jnp.einsum(self.equation, x, self.kernel[...])
+            y = self._einsum(x)
             return y if bias is None else y + bias
         lead = x.shape[: x.ndim - self.in_axes]
         flat = x.reshape(*lead, -1)
         if residual is not None:
             residual = residual.reshape(*lead, -1)
-        y = self.ops.linear(flat, self.kernel[...], bias, norm, activation, residual, scale)
+        if self.is_fp8:
+            scales = (self.weight_scale[...], self.input_scale[...])
+            y = self.ops.fp8_linear(
+                flat, self.kernel[...], *scales, bias, norm, activation, residual, scale
+            )
+        else:
+            y = self.ops.linear(flat, self.kernel[...], bias, norm, activation, residual, scale)
         return y.reshape(*lead, *self.out_shape)
+
+    def _einsum(self, x: jax.Array) -> jax.Array:
+        """The projection by `equation` (the FP8 pattern of `backends.fp8` for e4m3 kernels)."""
+        if not self.is_fp8:
+            return jnp.einsum(self.equation, x, self.kernel[...])
+        h = fp8.fake_quantize(x, self.input_scale[...])
+        kernel = self.kernel[...].astype(x.dtype)
+        y = jnp.einsum(self.equation, h, kernel, preferred_element_type=jnp.float32)
+        return (y * self.weight_scale[...]).astype(x.dtype)
 
 
 @jax.jit

@@ -15,6 +15,10 @@ The rank axis is the sharded one, so each rank's GEMM reads exactly its own colu
 collective is needed; at TP 1 it is a plain concatenation. Biases are merged the same way.
 At TP 1 the runner then stores the kernel as rows `[Wr, D]` (`to_rows`, as `Einsum.to_rows`),
 and `ranks` runs through the backend's `linear` op, with the block's norm fused before it.
+
+FP8 parts (`Einsum.to_fp8`) merge into one e4m3 kernel whose weight scale is per column (each
+part's per-tensor scale over its columns, merged like the kernels) and whose input scale is the
+largest of the parts' (they all see the same input; ModelOpt calibrates them alike).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from backends import fp8
 from backends.fused import Norm
 from backends.protocol import Ops
 from hybridserve.cache.page_layout import held_range
@@ -62,6 +67,20 @@ class MergedProjection(nnx.Module):
         self.parts = rank_layout({k: p.kernel.shape[1:] for k, p in parts.items()}, tp)
         kernels = [p.kernel[...] for p in parts.values()]
         self.kernel = nnx.Param(_merged(kernels, self.parts, tp, mesh, lead=1), axes=_AXES)
+        self.weight_scale: nnx.Param | None = nnx.data(None)
+        self.input_scale: nnx.Param | None = nnx.data(None)
+        quantized = [name for name, p in parts.items() if p.is_fp8]
+        if quantized and len(quantized) != len(parts):
+            raise ValueError(
+                f"cannot merge FP8 projections {quantized} with high-precision ones "
+                f"{sorted(set(parts) - set(quantized))}"
+            )
+        if quantized:
+            columns = [jnp.full(p.kernel.shape[1:], p.weight_scale[...]) for p in parts.values()]
+            merged = _merged(columns, self.parts, tp, mesh, lead=0)
+            self.weight_scale = nnx.Param(merged, axes=_AXES[1:])
+            scales = jnp.stack([p.input_scale[...] for p in parts.values()])
+            self.input_scale = nnx.Param(jnp.max(scales), axes=())
         biases = [p.bias for p in parts.values()]
         self.bias = (
             None
@@ -83,6 +102,8 @@ class MergedProjection(nnx.Module):
         self.kernel = nnx.Param(transposed(self.kernel[...][:, 0]), axes=(None, None))
         if self.bias is not None:
             self.bias = nnx.Param(self.bias[...][0], axes=(None,))
+        if self.weight_scale is not None:
+            self.weight_scale = nnx.Param(self.weight_scale[...][0], axes=(None,))
         self.ops = ops
 
     def __call__(self, x: jax.Array) -> dict[str, jax.Array]:
@@ -92,12 +113,22 @@ class MergedProjection(nnx.Module):
     def ranks(self, x: jax.Array, norm: Norm | None = None) -> jax.Array:
         """x [B, T, D] -> y [B, T, tp, Wr]: every rank's columns (for `cut` and `span`);
         `norm` (rows only): the `linear` op's norm of x first."""
+        quantized = self.weight_scale is not None
         if self.ops is not None:
             bias = None if self.bias is None else self.bias[...]
+            if quantized:
+                scales = (self.weight_scale[...], self.input_scale[...])
+                return self.ops.fp8_linear(x, self.kernel[...], *scales, bias, norm)[..., None, :]
             return self.ops.linear(x, self.kernel[...], bias, norm)[..., None, :]
         if norm is not None:
             raise ValueError("a fused projection needs rows (MergedProjection.to_rows)")
-        y = jnp.einsum("btd,drw->btrw", x, self.kernel[...])
+        if quantized:
+            h = fp8.fake_quantize(x, self.input_scale[...])
+            kernel = self.kernel[...].astype(x.dtype)
+            y = jnp.einsum("btd,drw->btrw", h, kernel, preferred_element_type=jnp.float32)
+            y = (y * self.weight_scale[...]).astype(x.dtype)
+        else:
+            y = jnp.einsum("btd,drw->btrw", x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 
     def part(self, name: str) -> Part:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from backends import nvfp4
+from backends import fp8, nvfp4
 from backends.protocol import Ops
 from hybridserve.config import MlpConfig, MoeConfig
 from hybridserve.layers.linear import Einsum, param
@@ -72,6 +72,28 @@ class Nvfp4Experts(nnx.Module):
         """`grouped_matmul(x, w, sizes)` on the 4-bit weights (the fused op)."""
         w = (self.codes[...], self.scales[...], self.tensor_scale[...])
         return ops.nvfp4_grouped_matmul(x, *w, sizes)
+
+
+class Fp8Experts(nnx.Module):
+    """Routed-expert weights [E, K, N] in e4m3 with a float32 weight scale and a static input
+    scale per expert (`backends.fp8`, as a ModelOpt FP8 checkpoint stores each expert's
+    projections), quantised from `dense` on creation (scale amax / 448 per expert, input scale
+    1) until a checkpoint's values replace them."""
+
+    def __init__(self, dense: jax.Array, axes: tuple[str | None, ...]) -> None:
+        amax = jnp.max(jnp.abs(dense.astype(jnp.float32)), axis=(1, 2))
+        scale = jnp.where(amax > 0, amax / fp8.E4M3_MAX, 1.0).astype(jnp.float32)
+        self.weight = nnx.Param(fp8.quantize(dense, scale[:, None, None]), axes=axes)
+        self.weight_scale = nnx.Param(scale, axes=(None,))
+        self.input_scale = nnx.Param(jnp.ones_like(scale), axes=(None,))
+
+    def matmul(self, ops: Ops, x: jax.Array, sizes: jax.Array) -> jax.Array:
+        """`grouped_matmul(x, w, sizes)` on the e4m3 weights (the FP8 op)."""
+        scales = (self.weight_scale[...], self.input_scale[...])
+        return ops.fp8_grouped_matmul(x, self.weight[...], *scales, sizes)
+
+
+EXPERT_STACKS = ("up", "gate", "down")  # the routed-expert weights a checkpoint may hold in FP8
 
 
 class Moe(nnx.Module):
@@ -157,8 +179,17 @@ class Moe(nnx.Module):
             routed = routed + self._sink_experts(x, sink).astype(routed.dtype)
         return routed.reshape(shape)
 
-    def _experts(self, w: nnx.Param | Nvfp4Experts, x: jax.Array, sizes: jax.Array) -> jax.Array:
-        if isinstance(w, Nvfp4Experts):
+    def to_fp8(self, name: str) -> None:
+        """Store the routed-expert stack `name` (one of `EXPERT_STACKS`) as `Fp8Experts`."""
+        w = getattr(self, name)
+        if not isinstance(w, nnx.Param):
+            raise ValueError(f"expert stack {name!r} is {type(w).__name__}, not a dense weight")
+        setattr(self, name, Fp8Experts(w[...], w.get_metadata().get("axes")))
+
+    def _experts(
+        self, w: nnx.Param | Nvfp4Experts | Fp8Experts, x: jax.Array, sizes: jax.Array
+    ) -> jax.Array:
+        if isinstance(w, Nvfp4Experts | Fp8Experts):
             return w.matmul(self.ops, x, sizes)
         return self.ops.grouped_matmul(x, w[...], sizes)
 

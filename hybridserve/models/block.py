@@ -43,7 +43,8 @@ class Block(nnx.Module):
             self.mixer = Mamba2(d, cfg.mamba, cfg.norm_eps, ops, **kw)
         elif kind in ("attention", "sliding_attention"):
             window = cfg.window(index) if entry is None else None
-            self.mixer = Attention(d, cfg.attention, ops, window=window, **kw)
+            kv_scales = cfg.kv_cache_dtype is not None  # the checkpoint's FP8 KV scales
+            self.mixer = Attention(d, cfg.attention, ops, window=window, kv_scales=kv_scales, **kw)
         elif kind == "mlp":
             self.mixer = Mlp(d, cfg.mlp, **kw)
         else:

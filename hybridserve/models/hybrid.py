@@ -33,6 +33,7 @@ from hybridserve.config import ModelConfig
 from hybridserve.layers.linear import param, transposed
 from hybridserve.layers.multimodal import DmelEncoder, HmlpPatchEncoder
 from hybridserve.layers.norm import RMSNorm
+from hybridserve.layers.quantized import apply_fp8
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.block import Block
 from hybridserve.models.mtp import MtpHead
@@ -89,6 +90,8 @@ class HybridModel(nnx.Module):
             else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
         )
         self.head_rows = False  # `prepare`: the lm_head stored as rows [V, D]
+        if cfg.quant is not None:  # an FP8 checkpoint's projections and experts in e4m3
+            apply_fp8(self, cfg.quant.fp8_params)
 
     def prepare(self, mesh: Mesh) -> None:
         """Ready the loaded weights for serving on `mesh`, once, in the runner: each block's

@@ -12,6 +12,9 @@ Face initialisation of these families (`initializer_range` 0.02):
     dt_bias:                          softplus^-1(exp(U(log 1e-3, log 1e-1)))
 
 so that dt = softplus(dt_bias) starts in [1e-3, 0.1], as the Mamba2 initialisation does.
+FP8 parameters (`ModelConfig.quant`) hold the same N(0, 0.02^2) weights as e4m3 codes under
+`weight_scale` = 4 * 0.02 / 448 (a 4-sigma value maps to the largest code); `input_scale` is
+16 / 448 (inputs up to 16 in magnitude keep their precision) and the KV scales are 1.
 """
 
 from __future__ import annotations
@@ -24,13 +27,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from backends import fp8
+
 STD = 0.02
+FP8_WEIGHT_SCALE = 4 * STD / 448
+FP8_INPUT_SCALE = 16 / 448
 
 
 def _kind(name: str, ndim: int) -> str:
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("A_log", "dt_bias", "D"):
+    if leaf in ("A_log", "dt_bias", "D", "weight_scale", "input_scale"):
         return leaf
+    if leaf in ("k_scale", "v_scale"):
+        return "ones"
     if "bias" in name:
         return "zeros"
     if ndim == 1 and ("norm" in name or leaf in ("weight", "scale")):
@@ -43,12 +52,18 @@ def _draw(kind: str, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -
         return jnp.ones(shape, dtype)
     if kind == "zeros":
         return jnp.zeros(shape, dtype)
+    if kind in ("weight_scale", "input_scale"):
+        value = FP8_WEIGHT_SCALE if kind == "weight_scale" else FP8_INPUT_SCALE
+        return jnp.full(shape, value, dtype)
     if kind == "A_log":
         return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
     if kind == "dt_bias":
         dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
         return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # softplus^-1(dt)
-    return (STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    w = STD * jax.random.normal(key, shape, jnp.float32)
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        return fp8.quantize(w, FP8_WEIGHT_SCALE)
+    return w.astype(dtype)
 
 
 @cache

@@ -28,6 +28,7 @@ from hybridserve.config import ModelConfig, parse_hf_config
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.parallel import state_shardings
 from hybridserve.weights.dummy import dummy_array
+from hybridserve.weights.fp8_names import resolve_fp8_params, with_fp8
 from hybridserve.weights.hf_names import IGNORED_PREFIXES, hf_sources
 from hybridserve.weights.safetensors_io import SafetensorsReader, WeightError
 
@@ -59,7 +60,14 @@ def read_config(path: str | Path) -> ModelConfig:
                 f"{meta.get('format_version')}, this build reads {FORMAT_VERSION}"
             )
         return ModelConfig.from_dict(meta["model"])
-    return parse_hf_config(path)
+    cfg = parse_hf_config(path)
+    if cfg.quant is None:
+        return cfg
+    try:
+        reader = SafetensorsReader(path)
+    except WeightError:  # a config-only directory (load_format="dummy")
+        reader = None
+    return resolve_fp8_params(cfg, hf_sources(cfg), reader)
 
 
 def abstract_model(cfg: ModelConfig, ops: Ops, dtype: jnp.dtype) -> HybridModel:
@@ -95,7 +103,7 @@ def hf_arrays(
     Raises WeightError naming the tensor when one is missing or has the wrong shape.
     """
     reader = SafetensorsReader(directory)
-    table = hf_sources(cfg)
+    table = with_fp8(hf_sources(cfg), cfg)
     missing_ours = sorted(set(paths) - set(table))
     if missing_ours:
         raise WeightError(
@@ -111,6 +119,7 @@ def hf_arrays(
             absent = next(n for n in candidates[0].names if n not in reader)
             raise WeightError(f"{directory}: missing tensor {absent!r} (for parameter {name})")
         arrays = [reader.get(n) for n in source.names]
+        _check_fp8(directory, name, source.names, arrays, target.dtype)
         try:
             value = source.hook(arrays, tuple(target.shape))
         except WeightError as err:  # a hook that checks its tensors names them itself
@@ -128,6 +137,25 @@ def hf_arrays(
         log.warning(
             "%s: %d tensors not used by the model, e.g. %s", directory, len(unused), unused[:5]
         )
+
+
+def _check_fp8(directory, name: str, names: tuple, arrays: list, dtype: jnp.dtype) -> None:
+    """WeightError unless the tensors are e4m3 exactly when parameter `name` is (an 8-bit value
+    cast to another dtype without its scale would be a wrong weight)."""
+    want = jnp.dtype(dtype) == jnp.float8_e4m3fn
+    for tensor, array in zip(names, arrays, strict=True):
+        eight_bit_float = array.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+        if want and array.dtype != jnp.float8_e4m3fn:
+            raise WeightError(
+                f"{directory}: parameter {name} is FP8 (e4m3) but tensor {tensor!r} is "
+                f"{array.dtype}"
+            )
+        if not want and eight_bit_float:
+            raise WeightError(
+                f"{directory}: tensor {tensor!r} is {array.dtype} (quantised), but parameter "
+                f"{name} is not stored in FP8 (only projections and routed experts are, with "
+                "quant_algo FP8 in the checkpoint's quantization config)"
+            )
 
 
 def load_model(

@@ -106,6 +106,10 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entry(name)[1]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name ("BF16", "F8_E4M3", ...)."""
+        return self._entry(name)[1]["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         """The tensor as a read-only numpy array (memory-mapped)."""
         path, info, start = self._entry(name)

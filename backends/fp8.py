@@ -1,0 +1,70 @@
+"""FP8 (e4m3) with per-tensor scales: the weights of an NVIDIA ModelOpt "FP8" checkpoint, the
+activations its static `input_scale`s quantise, and the FP8 KV cache.
+
+A real value v and its code q (float8_e4m3fn: 4 exponent bits, 3 mantissa bits, largest
+finite 448, no infinities) under a float32 scale s:
+
+  quantize:    q = e4m3(clip(v / s, -448, 448))     (round to nearest even)
+  dequantize:  v' = float(q) * s
+
+so |v' - v| <= 2^-4 |v| for |v| / s in the normal range [2^-6, 448] (half a step of a 3-bit
+mantissa), and <= 2^-10 s below it (subnormal steps of 2^-9 s). The clip matters: a plain cast
+of a value past 448 gives NaN (e4m3fn has no infinity).
+
+W8A8 projection (`fp8_matmul`): `y = (dq(q(x, s_x)) @ dq(w_q, 1)^T) * s_w`, i.e. the input
+fake-quantised with its static scale and the e4m3 weight rows multiplied, then the per-row
+weight scale; XLA rewrites this pattern (converts and scalar multiplies around a dot) into an
+FP8 GEMM on GPUs that have one (sm89+), and computes it as written elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+F32 = jnp.float32
+
+
+def is_float8(dtype: object) -> bool:
+    """Is `dtype` (a name or a dtype) one of the 8-bit float formats?"""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def quantize(x: jax.Array, scale: jax.Array | float, dtype: object = E4M3) -> jax.Array:
+    """Codes of `x / scale` in the 8-bit float `dtype` (e4m3 unless given), clipped to its
+    finite range (float32 inside)."""
+    top = float(jnp.finfo(dtype).max)
+    v = x.astype(F32) / jnp.asarray(scale, F32)
+    return jnp.clip(v, -top, top).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array | float, dtype: jnp.dtype) -> jax.Array:
+    """`float(q) * scale` in `dtype` (the product in float32)."""
+    return (q.astype(F32) * jnp.asarray(scale, F32)).astype(dtype)
+
+
+def fake_quantize(x: jax.Array, scale: jax.Array | float) -> jax.Array:
+    """x rounded through e4m3 under `scale` (what an FP8 GEMM sees), in x's dtype."""
+    return dequantize(quantize(x, scale), scale, x.dtype)
+
+
+def tensor_scale(w: jax.Array) -> jax.Array:
+    """The per-tensor scale ModelOpt uses: `amax(|w|) / 448` (1 for an all-zero tensor)."""
+    amax = jnp.max(jnp.abs(w.astype(F32)))
+    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(F32)
+
+
+def fp8_matmul(
+    x: jax.Array, w: jax.Array, w_scale: jax.Array, x_scale: jax.Array | None
+) -> jax.Array:
+    """`x [..., K] @ (w [N, K] * w_scale)^T` with e4m3 rows `w`, float32 accumulation.
+
+    `w_scale`: [] (per tensor) or [N] (per row: merged projections of different tensors);
+    `x_scale`: the static input scale ([]), or None for weight-only (no input rounding).
+    Returns [..., N] float32."""
+    cd = x.dtype
+    h = x if x_scale is None else fake_quantize(x, x_scale)
+    y = jnp.einsum("...k,nk->...n", h, w.astype(cd), preferred_element_type=F32)
+    return y * w_scale.astype(F32)
