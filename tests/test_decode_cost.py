@@ -86,3 +86,36 @@ def test_cache_terms_match_a_hand_count(tmp_path: Path, ssm_dtype: str) -> None:
     if ssm_dtype == "float32":  # performance_and_users.md 2.5: 8.6 GB KV, 18.1 GB SSM state
         assert kv / 1e9 == pytest.approx(8.6, abs=0.05)
         assert 27 * batch * 2 * ssm / 1e9 == pytest.approx(18.1, abs=0.05)
+
+
+def test_fp8_9b_weights_count_one_byte_per_fp8_value(tmp_path: Path) -> None:
+    """The FP8 shape (the Nano FP8 recipe: attention layers, the Mamba2 layer before each, the
+    lm_head and conv1d in bf16) reads its FP8 projections at one byte a value plus two float32
+    scales per kernel (in_proj is five kernels here: z, x, B, C, dt), the attention layers hold
+    their float32 k_scale and v_scale, and the KV cache is e4m3."""
+    cfg, state = _abstract("nano-9b-v2-fp8", tmp_path)
+    d, v, i, h, p, g, n = 4480, 131072, 15680, 128, 80, 8, 128
+    pattern = random_models.NANO_9B_PATTERN
+    kept = {j - 1 for j, c in enumerate(pattern) if c == "*" and pattern[j - 1] == "M"}
+    mamba_bf16, mamba_f32 = _mamba_params(d, h, p, g, n, 4)
+    projections = d * (2 * h * p + 2 * g * n + h) + h * p * d
+    attention = d * (40 + 2 * 8) * 128 + 40 * 128 * d + d
+    mlp = 2 * d * i + d
+    total = 0
+    for j, c in enumerate(pattern):
+        if c == "M" and j not in kept:  # projections at 1 byte, 6 kernels x 2 scales
+            total += 2 * (mamba_bf16 - projections) + projections + 6 * 2 * 4 + 4 * mamba_f32
+        elif c == "M":
+            total += 2 * mamba_bf16 + 4 * mamba_f32
+        elif c == "-":
+            total += (mlp - d) + 2 * d + 2 * 2 * 4
+        else:
+            total += 2 * attention + 2 * 4  # and its k_scale, v_scale
+    total += 2 * (d * v + d) + 2 * d  # lm_head and final norm, one gathered embedding row
+    assert weight_bytes(cfg, state, 1) == total
+    bf16 = _abstract("nano-9b-v2", tmp_path)[1]
+    assert weight_bytes(cfg, state, 1) / weight_bytes(cfg, bf16, 1) == pytest.approx(
+        0.584, abs=0.005
+    )
+    plan = make_plan(cfg, CacheConfig(), 1, "bfloat16")
+    assert cache_bytes(plan, 1, 1000)[0] == 4 * 1000 * 2 * 8 * 128  # one byte a K/V value

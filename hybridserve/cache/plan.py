@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridserve.cache.spec import MambaSpec, Spec, layer_specs
+from hybridserve.cache.spec import MambaSpec, Spec, canonical_dtype, layer_specs
 from hybridserve.config import CacheConfig, ConfigError, ModelConfig
 
 
@@ -137,7 +137,9 @@ def pages_per_request(plan: CachePlan, num_tokens: int, chunk: int) -> tuple[int
 def make_plan(cfg: ModelConfig, cache: CacheConfig, tp: int, dtype: str) -> CachePlan:
     """The cache plan for `cfg` at TP `tp`; "auto" cache dtypes follow the model dtype, except
     a KV cache the checkpoint quantised (its FP8 KV scales): e4m3 then."""
-    kv = (cfg.kv_cache_dtype or dtype) if cache.kv_dtype == "auto" else cache.kv_dtype
+    kv = canonical_dtype(
+        (cfg.kv_cache_dtype or dtype) if cache.kv_dtype == "auto" else cache.kv_dtype
+    )
     conv = dtype if cache.conv_dtype == "auto" else cache.conv_dtype
     specs = layer_specs(cfg, tp, kv, conv, cache.ssm_dtype, cache.conv_layout)
     return plan_cache(specs, tp, cache.kernel_block_size, cache.block_size)

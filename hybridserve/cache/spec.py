@@ -29,17 +29,20 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
     "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "int8": 1,
     "uint8": 1,
 }
 CONV_LAYOUT_ENV = "HYBRIDSERVE_SSM_CONV_LAYOUT"
 
 
-DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
+DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def canonical_dtype(dtype: str) -> str:
-    """The array dtype name of a cache dtype (validated; "fp8" means float8_e4m3fn)."""
+    """The array dtype name of a cache dtype (validated; "fp8" and "fp8_e4m3" mean
+    float8_e4m3fn, "fp8_e5m2" float8_e5m2: vLLM's spellings)."""
     dtype_bytes(dtype)
     return DTYPE_ALIASES.get(dtype, dtype)
 

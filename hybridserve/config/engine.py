@@ -38,6 +38,20 @@ class ParallelConfig:
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
 
 
+# KV cache dtypes: "auto", array dtype names, and vLLM's spellings of the 8-bit floats
+KV_DTYPES = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The paged cache. `kv_dtype`/`conv_dtype` "auto" follow the model dtype (the KV cache of a
@@ -60,6 +74,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        require(
+            self.kv_dtype in KV_DTYPES,
+            f"kv_dtype (kv_cache_dtype) {self.kv_dtype!r} is not one of {list(KV_DTYPES)}",
+        )
         require(self.kernel_block_size > 0, "kernel_block_size must be > 0")
         require(self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2")
         require(
@@ -264,6 +282,7 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "block_size": ("cache", "block_size"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "kv_cache_memory": ("cache", "memory_bytes"),
+    "kv_cache_dtype": ("cache", "kv_dtype"),
 }
 # keyword of a whole sub-config -> (EngineConfig field, its class)
 WHOLE: dict[str, tuple[str, type]] = {

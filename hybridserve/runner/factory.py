@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax.numpy as jnp
 
@@ -21,6 +22,8 @@ from hybridserve.runner.memory import (
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.runner.packed import MAX_SEGMENT, SMALLEST_SEGMENT, PackLimits
 from hybridserve.weights.loader import load_model
+
+log = logging.getLogger(__name__)
 
 
 def make_runner(
@@ -50,6 +53,13 @@ def make_runner(
     model, cfg = load_model(model_dir, load_ops(backend), mesh, dtype, progress, load_format, seed)
     dtype_name = jnp.dtype(dtype or cfg.dtype).name
     plan = make_plan(cfg, cache, tp, dtype_name)
+    kv = {g.spec.dtype for g in plan.groups if g.spec.kind in ("full_attention", "sliding_window")}
+    if cfg.kv_cache_dtype is not None and kv and kv != {cfg.kv_cache_dtype}:
+        log.warning(
+            "%s: the checkpoint's FP8 KV cache scales go unused: the KV cache is %s "
+            "(kv_cache_dtype=%r; 'auto' or 'fp8' uses them)",
+            model_dir, ", ".join(sorted(kv)), cache.kv_dtype,
+        )  # fmt: skip
     max_len = min(max_model_len, cfg.max_position_embeddings)
     size = functools.partial(num_pages_for, plan, cache, max_num_seqs, max_len, max_prefill_chunk)
     step_tokens = max_step_tokens or max_num_seqs * max_prefill_chunk

@@ -91,6 +91,14 @@ ENGINE_FLAGS = (
         "256 MiB on CPUs)",
     ),
     EngineFlag(
+        ("--kv-cache-dtype",),
+        "kv_cache_dtype",
+        "KV cache dtype (auto: the model dtype, or e4m3 for a checkpoint with FP8 KV scales; "
+        "fp8 = fp8_e4m3: e4m3 with the checkpoint's per-layer scales or 1)",
+        str,
+        ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    ),
+    EngineFlag(
         ("--no-prefix-caching",),
         "enable_prefix_caching",
         "do not reuse computed prefixes",
