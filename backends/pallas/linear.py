@@ -16,8 +16,9 @@ projection, K = 10240 in groups of 1280 for N = 4480, takes one group a program:
 programs of 80 KB each were too few and too long to keep the memory busy): the programs write
 float32 partials and the epilogue runs after their sum (one small XLA fusion).
 
-Then the epilogue: y rounded, + bias, the activation, `residual + scale * y`, each step
-rounded to x's dtype as the unfused ops round it. So a decode layer's norm, GEMV, activation
+Then the epilogue: y times the per-row weight scale (e4m3 weights, `fp8_linear`), rounded,
++ bias, the activation, `residual + scale * y`, each step rounded to x's dtype as the unfused
+ops round it. So a decode layer's norm, GEMV, activation
 and residual add are one kernel. Small tiles of N (`tiles`) keep each program short and the
 grid many waves deep, so the last wave costs little. More than KERNEL_ROWS rows (prefill,
 large batches) go to the xla reference, whose GEMMs are compute-bound there.
@@ -59,9 +60,12 @@ def _load(ref: jax.Array, mask: jax.Array | None) -> jax.Array:
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
 
 
-def _epilogue(acc, bias, res, dtype, act: str | None, scale: float):
-    """y rounded, + bias, the activation, `res + scale * y`: each step rounded to `dtype` as
-    the unfused ops round it (in the kernel, and after the sum of the split-K partials)."""
+def _epilogue(acc, bias, res, dtype, act: str | None, scale: float, w_scale=None):
+    """y (times `w_scale` when given) rounded, + bias, the activation, `res + scale * y`: each
+    step rounded to `dtype` as the unfused ops round it (in the kernel, and after the sum of
+    the split-K partials)."""
+    if w_scale is not None:
+        acc = acc * w_scale
     y = acc.astype(dtype).astype(F32)
     if bias is not None:
         y = (y + bias).astype(dtype).astype(F32)
@@ -90,10 +94,12 @@ def _kernel(
     scale: float,
     has_bias: bool,
     has_res: bool,
+    has_w_scale: bool,
 ):
     refs = list(refs)
     norm_w_ref = refs.pop(0) if norm else None
     gate_ref = refs.pop(0) if norm == "gated" else None
+    w_scale_ref = refs.pop(0) if has_w_scale else None
     bias_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if has_res else None
     (o_ref,) = refs
@@ -142,11 +148,12 @@ def _kernel(
             plgpu.store(o_ref.at[pl.program_id(1), r, cols], accs[r], mask=col_ok)
         return
     b = plgpu.load(bias_ref.at[cols], mask=col_ok, other=0).astype(F32) if has_bias else None
+    ws = plgpu.load(w_scale_ref.at[cols], mask=col_ok, other=0) if has_w_scale else None
     for r in range(m):
         res = None
         if has_res:
             res = plgpu.load(res_ref.at[r, cols], mask=col_ok, other=0).astype(F32)
-        y = _epilogue(accs[r], b, res, dtype, act, scale)
+        y = _epilogue(accs[r], b, res, dtype, act, scale, ws)
         plgpu.store(o_ref.at[r, cols], y.astype(o_ref.dtype), mask=col_ok)
 
 
@@ -210,11 +217,13 @@ def linear_tiled(
     warps: int = 4,
     stages: int | None = None,
     splits: int = 1,
+    w_scale: jax.Array | None = None,
 ) -> jax.Array:
     """`linear` with explicit tiles (`bn` output rows and `bk` of K per step, powers of two;
     a group's last chunk is masked where bk does not divide it) and `splits` programs along K
     (each K / splits keys, whole norm groups; float32 partials, summed before the epilogue);
-    the benchmark sweeps them."""
+    the benchmark sweeps them. `w_scale` float32 [N]: e4m3 rows `w`, each output times its
+    scale before the epilogue (`fp8_linear`)."""
     check_linear(x, w, bias, norm, activation, residual)
     *lead, k = x.shape
     n = w.shape[0]
@@ -232,6 +241,8 @@ def linear_tiled(
         args.append(norm.weight)
         if gated:
             args.append(norm.gate.reshape(m, norm.gate.shape[-1]))
+    if w_scale is not None:
+        args.append(jnp.broadcast_to(w_scale.astype(F32), (n,)))
     if bias is not None:
         args.append(bias)
     if residual is not None:
@@ -252,6 +263,7 @@ def linear_tiled(
         scale=float(scale),
         has_bias=bias is not None,
         has_res=residual is not None,
+        has_w_scale=w_scale is not None,
     )
     out = pl.pallas_call(
         kernel,
@@ -266,7 +278,8 @@ def linear_tiled(
     if splits > 1:
         res = None if residual is None else residual.reshape(m, n).astype(F32)
         b = None if bias is None else bias.astype(F32)
-        out = _epilogue(jnp.sum(out, axis=0), b, res, x.dtype, activation, float(scale))
+        ws = None if w_scale is None else w_scale.astype(F32)
+        out = _epilogue(jnp.sum(out, axis=0), b, res, x.dtype, activation, float(scale), ws)
     return out.reshape(*lead, n)
 
 

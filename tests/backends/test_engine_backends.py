@@ -84,3 +84,20 @@ def test_gpu_default_takes_tokamax_only_where_it_imports(monkeypatch):
         assert got.startswith(protocol.GPU_DEFAULT)
         assert (protocol.GPU_TOKAMAX in got) is present
     assert protocol.default_backend("cpu") == "xla"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "pallas"])
+def test_fp8_checkpoint_greedy_tokens_match_xla(fp8_checkpoint, backend):
+    """The ModelOpt FP8 checkpoint (e4m3 projections and experts, e4m3 KV cache): the pallas
+    GEMV over e4m3 rows at decode, the kernels over e4m3 pages, the torch ops."""
+    try:
+        load_ops(backend)
+    except BackendError as err:
+        pytest.skip(str(err))
+    directory = fp8_checkpoint(True)[0]
+    if "fp8" not in _REFERENCE:
+        _REFERENCE["fp8"] = _greedy(directory, "xla")
+    ref = _REFERENCE["fp8"]
+    assert len({t for tokens in ref for t in tokens}) > 8, "weak test: few distinct tokens"
+    assert _greedy(directory, backend) == ref

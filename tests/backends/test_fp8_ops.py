@@ -94,13 +94,15 @@ def test_fp8_grouped_matmul_reference_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fp8_linear_backends_match_xla(backend, dtype):
-    """With the fused norm (group RMSNorm) and residual, per-row weight scales."""
+def test_fp8_linear_backends_match_xla(backend, rows, dtype):
+    """With the fused norm (group RMSNorm) and residual, per-row weight scales; one row is the
+    pallas GEMV over e4m3 rows, five its reference."""
     ref_op, op = _ops("fp8_linear", backend)
-    rng = _rng("fp8_linear_backend", str(dtype))
-    x, w8, ws, xs = _linear_inputs(rng, 5, 64, 24, True)
-    residual = jnp.asarray(rng.standard_normal((5, 24)), dtype)
+    rng = _rng("fp8_linear_backend", rows, str(dtype))
+    x, w8, ws, xs = _linear_inputs(rng, rows, 64, 24, True)
+    residual = jnp.asarray(rng.standard_normal((rows, 24)), dtype)
     norm_w = jnp.asarray(rng.uniform(0.5, 1.5, 64), dtype)
     static = {"norm": Norm(norm_w, 1e-5, group_size=16), "scale": 0.5}
     arrays = (jnp.asarray(x, dtype), jnp.asarray(w8), jnp.asarray(ws), jnp.asarray(xs))

@@ -49,6 +49,7 @@ OLD_DEFAULTS = {
     "decode_first": True,
     "gpu_memory_utilization": 0.9,  # since: pools sized by memory (the CPU: 256 MiB, as before)
     "kv_cache_memory": None,
+    "kv_cache_dtype": "auto",
 }
 
 # flat key -> (a non-default value, where it lands)
@@ -71,6 +72,7 @@ SAMPLES = {
     "decode_first": (False, lambda c: c.scheduler.decode_first),
     "gpu_memory_utilization": (0.5, lambda c: c.cache.gpu_memory_utilization),
     "kv_cache_memory": (2**30, lambda c: c.cache.memory_bytes),
+    "kv_cache_dtype": ("fp8", lambda c: c.cache.kv_dtype),
 }
 SPEC = SpeculativeConfig(num_speculative_tokens=3)
 KV = KVTransferConfig(kv_role="kv_producer")
