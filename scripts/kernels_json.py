@@ -31,6 +31,12 @@ def kernels_json(rows: list[dict], args: argparse.Namespace, bandwidth: float, s
         "sconv step": "[256, 8448] w4",
         "rms_norm": f"[{16384 // smoke}, 4096]",
     }
+    return {**run_meta(args.commit), "copy_gbps": bandwidth / 1e9, "rows": json_rows(rows, shapes)}
+
+
+def json_rows(rows: list[dict], shapes: dict[str, str] | None = None) -> list[dict]:
+    """Printed rows (section, variant, ms, numbers) as the JSON's {op, shape, impl, ms, rate,
+    unit, ...}; a row without a shape takes its section's from `shapes`."""
     out = []
     for r in rows:
         rate_key = next((k for k in RATES if k in r), None)
@@ -38,7 +44,7 @@ def kernels_json(rows: list[dict], args: argparse.Namespace, bandwidth: float, s
         out.append(
             {
                 "op": r["section"],
-                "shape": r.get("shape", shapes.get(r["section"], "")),
+                "shape": r.get("shape", (shapes or {}).get(r["section"], "")),
                 "impl": r["variant"],
                 "ms": r["ms"],
                 "rate": r[rate_key] if rate_key else None,
@@ -46,7 +52,7 @@ def kernels_json(rows: list[dict], args: argparse.Namespace, bandwidth: float, s
                 **rest,
             }
         )
-    return {**run_meta(args.commit), "copy_gbps": bandwidth / 1e9, "rows": out}
+    return out
 
 
 def run_meta(commit: str | None = None) -> dict:

@@ -129,7 +129,9 @@ def fp8_variant(config: dict) -> dict:
     return config | {"quantization_config": quant}
 
 
-SHAPES |= {f"{name}-fp8": fp8_variant(SHAPES[name]) for name in ("nano-9b-v2", "nano-30b-a3b")}
+SHAPES |= {
+    f"{name}-fp8": fp8_variant(SHAPES[name]) for name in ("nano-9b-v2", "nano-30b-a3b", "tiny")
+}
 
 
 def write_config(shape: str, directory: str | Path) -> Path:
