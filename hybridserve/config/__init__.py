@@ -7,6 +7,7 @@
   hf.py               parse_hf_config: HF config.json -> ModelConfig (families and Inkling)
   inkling.py          the Inkling config.json <-> ModelConfig
   inkling_presets.py  Inkling model presets (full size, mid size) and parameter counts
+  quant.py            QuantConfig: a ModelOpt FP8 checkpoint's quantisation
   kv_transfer.py      KVTransferConfig (disaggregated prefill/decode)
   engine.py           EngineConfig and its sub-configs, built by EngineConfig.from_kwargs
 
@@ -46,6 +47,7 @@ from hybridserve.config.layers import (
     VisionConfig,
 )
 from hybridserve.config.model import ModelConfig
+from hybridserve.config.quant import QuantConfig
 
 __all__ = [
     "ACTIVATIONS",
@@ -65,6 +67,7 @@ __all__ = [
     "MoeConfig",
     "MtpConfig",
     "ParallelConfig",
+    "QuantConfig",
     "SchedulerConfig",
     "SconvConfig",
     "SettingError",
