@@ -5,7 +5,7 @@ input's norm and e4m3 rounding in one XLA fusion, then the Pallas GEMV (`linear_
 e4m3 rows, each output times its row's weight scale before the epilogue (bias, activation,
 residual): the weights are read at one byte a value. More rows go to the reference, which XLA
 lowers to an FP8 GEMM (cuBLASLt) on GPUs that have one.
-`fp8_grouped_matmul`: the reference (XLA's ragged dot over the dequantised experts).
+`fp8_grouped_matmul` is in `moe.py` (the grouped-matmul kernel over e4m3 bytes).
 """
 
 from __future__ import annotations
@@ -49,6 +49,3 @@ def fp8_linear(
         h, w, bias, None, activation, residual, scale,
         bn=bn, bk=bk, warps=warps, stages=stages, splits=splits, w_scale=w_scale,
     )  # fmt: skip
-
-
-fp8_grouped_matmul = register("fp8_grouped_matmul", "pallas")(xla_fp8.fp8_grouped_matmul)

@@ -1,4 +1,5 @@
-"""Grouped (ragged) matmul for mixture-of-experts layers as a Pallas kernel.
+"""Grouped (ragged) matmul for mixture-of-experts layers as a Pallas kernel (bf16/f32 weights,
+NVFP4 and FP8 experts).
 
 Rows of x [M, Din] are sorted by expert: expert e owns rows [start_e, end_e), with
 end = cumsum(group_sizes) and start = end - group_sizes; then
@@ -27,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from backends import nvfp4
+from backends import fp8, nvfp4
 from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
 from backends.protocol import register
+from backends.xla.fp8 import check_scales
 
 F32 = jnp.float32
 MIN_BLOCK = 16  # tl.dot: every dim >= 16
@@ -106,12 +108,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
 
 
 def _e4m3_value(bits: jax.Array) -> jax.Array:
-    """float32 value of float8_e4m3fn bit patterns (non-negative scales; NaN never occurs), by
-    building the float32 bits (no float8 loads in the kernel)."""
+    """float32 value of float8_e4m3fn bit patterns (NaN, 0x7f / 0xff, never occurs: quantised
+    values are clipped to 448), by building the float32 bits (no float8 loads in the kernel)."""
     bits = bits.astype(jnp.int32)
     exp, man = (bits >> 3) & 15, bits & 7
     normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), F32)
-    return jnp.where(exp == 0, man.astype(F32) * (2.0**-9), normal)
+    value = jnp.where(exp == 0, man.astype(F32) * (2.0**-9), normal)
+    return jnp.where(bits >= 128, -value, value)
 
 
 def _nvfp4_kernel(first_ref, last_ref, eid_ref, x_ref, c_ref, s_ref, t_ref, o_ref, *, n_k):
@@ -184,5 +187,76 @@ def nvfp4_grouped_matmul(
         pad_axis(codes, 2, np_),
         pad_axis(scale_bits, 2, np_),
         tensor_scale.astype(F32),
+    )
+    return out[:m, :dout]
+
+
+def _fp8_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, s_ref, o_ref, *, n_k, tk):
+    """Like `_gmm_kernel` over e4m3 weights (loaded as bytes, decoded exactly to x's dtype):
+    each expert's sum times its weight scale, as the reference scales after the product."""
+    row_expert = eid_ref[...]  # [TM]
+
+    def expert(e, acc):
+        mine = (row_expert == e)[:, None]
+
+        def k_step(k, part):
+            cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
+            xk = x_ref[:, cols]  # [TM, TK]
+            wk = _e4m3_value(w_ref[e, cols, :]).astype(x_ref.dtype)  # [TK, TN]
+            return part + dot(jnp.where(mine, xk, jnp.zeros_like(xk)), wk)
+
+        part = jax.lax.fori_loop(0, n_k, k_step, jnp.zeros(o_ref.shape, F32))
+        return acc + part * s_ref[pl.ds(e, 1)].reshape(1, 1)
+
+    acc = jax.lax.fori_loop(first_ref[0], last_ref[0] + 1, expert, jnp.zeros(o_ref.shape, F32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@register("fp8_grouped_matmul", "pallas")
+def fp8_grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    w_scale: jax.Array,
+    x_scale: jax.Array | None,
+    group_sizes: jax.Array,
+) -> jax.Array:
+    """The grouped matmul over e4m3 experts read at one byte a weight; each row's input first
+    rounded through e4m3 under its expert's input scale (in XLA)."""
+    check_scales(w, w_scale, x_scale, 1)
+    m, din = x.shape
+    n_exp, _, dout = w.shape
+    if m == 0 or dout == 0 or n_exp == 0:
+        return jnp.zeros((m, dout), x.dtype)
+    tm, tn, tk = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N), _block(din, MAX_BLOCK_K)
+    mp, np_, kp = round_up(m, tm), round_up(dout, tn), round_up(din, tk)
+    row_expert, first, last = _row_experts(group_sizes, mp, tm, n_exp)
+    xs = pad_axis(x, 0, mp)
+    if x_scale is not None:
+        owner = jnp.minimum(row_expert, n_exp - 1)
+        xs = fp8.fake_quantize(xs, x_scale.astype(F32)[owner][:, None])
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint8)
+    out = pl.pallas_call(
+        functools.partial(_fp8_kernel, n_k=kp // tk, tk=tk),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        grid=(mp // tm, np_ // tn),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((tm,), lambda i, j: (i,)),
+            pl.BlockSpec((tm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((n_exp, kp, tn), lambda i, j: (0, 0, j)),
+            pl.BlockSpec((n_exp,), lambda i, j: (0,)),
+        ],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        interpret=interpret(),
+        compiler_params=triton_params(),
+        name="fp8_grouped_matmul",
+    )(
+        first,
+        last,
+        row_expert,
+        pad_axis(xs, 1, kp),
+        pad_axis(pad_axis(bits, 1, kp), 2, np_),
+        w_scale.astype(F32),
     )
     return out[:m, :dout]

@@ -112,17 +112,21 @@ def test_fp8_linear_backends_match_xla(backend, rows, dtype):
     _check(got, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fp8_grouped_matmul_backends_match_xla(backend):
+def test_fp8_grouped_matmul_backends_match_xla(backend, dtype):
+    """Negative and subnormal e4m3 weights, an empty expert, rows past the groups (zeros), K
+    and N not whole tiles."""
     ref_op, op = _ops("fp8_grouped_matmul", backend)
-    rng = _rng("fp8_gmm_backend")
+    rng = _rng("fp8_gmm_backend", str(dtype))
     sizes = np.array([2, 4, 0, 3], np.int32)
-    x = jnp.asarray(rng.standard_normal((9, 32)), jnp.bfloat16)
-    w8 = jnp.asarray(rng.standard_normal((4, 32, 16)) * 100, jnp.float8_e4m3fn)
+    x = jnp.asarray(rng.standard_normal((11, 40)), dtype)
+    w8 = jnp.asarray(rng.standard_normal((4, 40, 20)) * 60, jnp.float8_e4m3fn)
     ws = jnp.asarray(rng.uniform(0.001, 0.01, 4), jnp.float32)
     xs = jnp.asarray(rng.uniform(0.005, 0.02, 4), jnp.float32)
     ref, got = _both(ref_op, op, {}, x, w8, ws, xs, jnp.asarray(sizes))
-    _check(got, ref, jnp.bfloat16)
+    _check(got, ref, dtype)
+    assert not np.asarray(got, np.float32)[sizes.sum() :].any()
 
 
 @pytest.mark.parametrize("rel", [False, True])
