@@ -18,6 +18,7 @@ there are tensors, and from `exclude_modules` for a config-only directory
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from hybridserve.weights.safetensors_io import SafetensorsReader, WeightError
 from hybridserve.weights.sources import Source
 
 FP8_DTYPE = "F8_E4M3"
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # one tensor per routed expert
 
 
 def is_candidate(path: str) -> bool:
@@ -105,8 +107,14 @@ def with_fp8(table: dict[str, list[Source]], cfg: ModelConfig) -> dict[str, list
         base = path.removesuffix(".kernel")
         if path.endswith(".kernel"):
             source = table[path][0]
-        else:  # an expert stack: the per-expert tensors (stacked layouts carry no scales)
-            source = next((s for s in table[path] if len(s.names) > 1), table[path][0])
+        else:  # an expert stack: ModelOpt writes one tensor (and scale) per expert
+            source = next((s for s in table[path] if all(map(PER_EXPERT.search, s.names))), None)
+            if source is None:
+                raise WeightError(
+                    f"FP8 experts {path} are stored stacked in one tensor "
+                    f"({table[path][0].names[0]}); hybridserve reads FP8 experts one tensor "
+                    "per expert, as ModelOpt writes them"
+                )
             table[f"{base}.weight"] = [source]
         mods = modules(source)
         for leaf in ("weight_scale", "input_scale"):

@@ -243,3 +243,15 @@ def test_an_fp8_tensor_where_the_model_keeps_high_precision_is_named(fp8_checkpo
     _edit_tensors(directory, edit)
     with pytest.raises(WeightError, match=f"tensor '{name}' is float8_e4m3fn"):
         _load(directory)
+
+
+def test_a_converted_fp8_checkpoint_keeps_its_e4m3_weights(fp8_checkpoint, tmp_path):
+    """`hybridserve convert` of an FP8 checkpoint: the orbax copy holds the e4m3 weights and
+    scales (and the quantisation in its config), and computes the same logits."""
+    from checkpoints.convert import convert
+
+    directory = fp8_checkpoint(True)[0]
+    converted = convert(directory, tmp_path / "converted", progress=False)
+    cfg = read_config(converted)
+    assert cfg.quant == read_config(directory).quant and cfg.quant.fp8_params
+    np.testing.assert_array_equal(_logits(converted), _logits(directory))
