@@ -13,8 +13,9 @@ of a value past 448 gives NaN (e4m3fn has no infinity).
 
 W8A8 projection (`fp8_matmul`): `y = (dq(q(x, s_x)) @ dq(w_q, 1)^T) * s_w`, i.e. the input
 fake-quantised with its static scale and the e4m3 weight rows multiplied, then the per-row
-weight scale; XLA rewrites this pattern (converts and scalar multiplies around a dot) into an
-FP8 GEMM on GPUs that have one (sm89+), and computes it as written elsewhere.
+weight scale: the pattern (converts and scalar multiplies around a dot) that XLA's GEMM
+rewriter can turn into a cuBLASLt FP8 GEMM on sm89+ GPUs (`scripts/bench_fp8.py` checks the
+compiled program); elsewhere it is computed as written.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 `fp8_linear`: for one token (decode at batch 1, where the step reads every weight once) the
 input's norm and e4m3 rounding in one XLA fusion, then the Pallas GEMV (`linear_tiled`) over the
 e4m3 rows, each output times its row's weight scale before the epilogue (bias, activation,
-residual): the weights are read at one byte a value. More rows go to the reference, which XLA
-lowers to an FP8 GEMM (cuBLASLt) on GPUs that have one.
+residual): the weights are read at one byte a value. More rows go to the reference (the pattern
+XLA can lower to a cuBLASLt FP8 GEMM; `scripts/bench_fp8.py` checks).
 `fp8_grouped_matmul` is in `moe.py` (the grouped-matmul kernel over e4m3 bytes).
 """
 

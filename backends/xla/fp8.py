@@ -1,6 +1,7 @@
 """FP8 projections and expert matmuls (`backends.fp8`: e4m3 weights, per-tensor scales): the
-references, written as the dequantise-and-multiply pattern XLA turns into FP8 GEMMs on GPUs
-that have them (sm89+) and computes as written on the CPU."""
+references, written as the dequantise-and-multiply pattern that XLA can lower to FP8 GEMMs on
+sm89+ GPUs (`scripts/bench_fp8.py` checks whether it does) and computes as written on the
+CPU."""
 
 from __future__ import annotations
 
