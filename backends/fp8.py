@@ -20,8 +20,14 @@ compiled program); elsewhere it is computed as written.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
+
+from backends.fused import Norm
+
+Array = jax.Array
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -69,3 +75,45 @@ def fp8_matmul(
     h = x if x_scale is None else fake_quantize(x, x_scale)
     y = jnp.einsum("...k,nk->...n", h, w.astype(cd), preferred_element_type=F32)
     return y * w_scale.astype(F32)
+
+
+class Fp8Linear(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        w: Array,
+        w_scale: Array,
+        x_scale: Array | None,
+        bias: Array | None = None,
+        norm: Norm | None = None,
+        activation: str | None = None,
+        residual: Array | None = None,
+        scale: float = 1.0,
+    ) -> Array:
+        """`linear` over e4m3 weight rows (`backends.fp8`, W8A8 with static scales):
+          `out = residual + scale * act((q(norm(x), x_scale) w^T) * w_scale + bias)`
+        with `q` the input rounded through e4m3 under its scale (none when x_scale is None),
+        float32 accumulation, the projection rounded to x's dtype before the epilogue.
+
+        Args: x [..., K]; w float8_e4m3fn [N, K]; w_scale float32 [] or [N] (per row);
+          x_scale float32 [] or None; the rest as `linear`.
+        Returns: [..., N] in x's dtype.
+        """
+
+
+class Fp8GroupedMatmul(Protocol):
+    def __call__(
+        self,
+        x: Array,
+        w: Array,
+        w_scale: Array,
+        x_scale: Array | None,
+        group_sizes: Array,
+    ) -> Array:
+        """`grouped_matmul` with e4m3 expert weights and per-expert scales: row r of expert e
+        gives `(q(x_r, x_scale[e]) @ w[e]) * w_scale[e]` (`q` as in `fp8_linear`).
+
+        Args: x [M, K]; w float8_e4m3fn [E, K, N]; w_scale float32 [E]; x_scale float32 [E] or
+          None; group_sizes [E] int32 summing to at most M.
+        Returns: [M, N] in x's dtype (rows past sum(group_sizes) are zero).
+        """

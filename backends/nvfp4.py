@@ -22,7 +22,7 @@ the two e2m1 magnitudes around `|w| / S` times `S = scale * tensor_scale`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +101,22 @@ def dequantize(weight: Nvfp4Weight) -> jax.Array:
     values = e2m1_value(unpack(weight.codes))
     scale = jnp.repeat(weight.scales.astype(jnp.float32), GROUP, axis=1)
     return values * scale * weight.tensor_scale[:, None, None]
+
+
+class Nvfp4GroupedMatmul(Protocol):
+    def __call__(
+        self,
+        x: jax.Array,
+        codes: jax.Array,
+        scales: jax.Array,
+        tensor_scale: jax.Array,
+        group_sizes: jax.Array,
+    ) -> jax.Array:
+        """`grouped_matmul` with NVFP4 expert weights (`backends.nvfp4`: e2m1 codes, an e4m3
+        scale per 16 rows, a float32 scale per expert), equal to dequantising the weights to
+        x's dtype and multiplying.
+
+        Args: x [M, K] (K a multiple of 32); codes uint8 [E, K/2, N]; scales float8_e4m3fn
+        [E, K/16, N]; tensor_scale float32 [E]; group_sizes [E] int32 summing to M.
+        Returns: [M, N] in x's dtype (rows past sum(group_sizes) are zero).
+        """

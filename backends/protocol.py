@@ -21,7 +21,9 @@ from typing import Protocol
 
 import jax
 
-from backends.fused import Linear, Mamba2DecodePaged, Norm
+from backends.fp8 import Fp8GroupedMatmul, Fp8Linear
+from backends.fused import Linear, Mamba2DecodePaged
+from backends.nvfp4 import Nvfp4GroupedMatmul
 
 Array = jax.Array
 
@@ -273,67 +275,6 @@ class GroupedMatmul(Protocol):
 
         Args: x [M, Din]; w [E, Din, Dout]; group_sizes [E] int32 summing to M.
         Returns: [M, Dout], row r multiplied by the weight of the expert it belongs to.
-        """
-
-
-class Nvfp4GroupedMatmul(Protocol):
-    def __call__(
-        self,
-        x: Array,
-        codes: Array,
-        scales: Array,
-        tensor_scale: Array,
-        group_sizes: Array,
-    ) -> Array:
-        """`grouped_matmul` with NVFP4 expert weights (`backends.nvfp4`: e2m1 codes, an e4m3
-        scale per 16 rows, a float32 scale per expert), equal to dequantising the weights to
-        x's dtype and multiplying.
-
-        Args: x [M, K] (K a multiple of 32); codes uint8 [E, K/2, N]; scales float8_e4m3fn
-        [E, K/16, N]; tensor_scale float32 [E]; group_sizes [E] int32 summing to M.
-        Returns: [M, N] in x's dtype (rows past sum(group_sizes) are zero).
-        """
-
-
-class Fp8Linear(Protocol):
-    def __call__(
-        self,
-        x: Array,
-        w: Array,
-        w_scale: Array,
-        x_scale: Array | None,
-        bias: Array | None = None,
-        norm: Norm | None = None,
-        activation: str | None = None,
-        residual: Array | None = None,
-        scale: float = 1.0,
-    ) -> Array:
-        """`linear` over e4m3 weight rows (`backends.fp8`, W8A8 with static scales):
-          `out = residual + scale * act((q(norm(x), x_scale) w^T) * w_scale + bias)`
-        with `q` the input rounded through e4m3 under its scale (none when x_scale is None),
-        float32 accumulation, the projection rounded to x's dtype before the epilogue.
-
-        Args: x [..., K]; w float8_e4m3fn [N, K]; w_scale float32 [] or [N] (per row);
-          x_scale float32 [] or None; the rest as `linear`.
-        Returns: [..., N] in x's dtype.
-        """
-
-
-class Fp8GroupedMatmul(Protocol):
-    def __call__(
-        self,
-        x: Array,
-        w: Array,
-        w_scale: Array,
-        x_scale: Array | None,
-        group_sizes: Array,
-    ) -> Array:
-        """`grouped_matmul` with e4m3 expert weights and per-expert scales: row r of expert e
-        gives `(q(x_r, x_scale[e]) @ w[e]) * w_scale[e]` (`q` as in `fp8_linear`).
-
-        Args: x [M, K]; w float8_e4m3fn [E, K, N]; w_scale float32 [E]; x_scale float32 [E] or
-          None; group_sizes [E] int32 summing to at most M.
-        Returns: [M, N] in x's dtype (rows past sum(group_sizes) are zero).
         """
 
 

@@ -75,6 +75,35 @@ def _gmm_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, o_ref, *, n_k, tk):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _launch(kernel, name: str, rows: tuple, x: jax.Array, weights: list, tn: int, dtype):
+    """The grouped kernel over grid (row tile, column tile of `tn`): each program gets its row
+    tile's first and last expert and row experts (`rows`, from `_row_experts`), its rows of
+    `x` [Mp, K] whole along K, and every expert's column tile of each 3-D array of `weights`
+    (columns last, padded to whole tiles) or the whole of each 1-D one (per-expert scales).
+    Returns [Mp, Np] in `dtype`."""
+    row_expert, first, last = rows
+    mp, tm = x.shape[0], x.shape[0] // first.shape[0]
+    np_ = next(w.shape[-1] for w in weights if w.ndim == 3)
+    tile = lambda w: pl.BlockSpec((*w.shape[:2], tn), lambda i, j: (0, 0, j))  # noqa: E731
+    whole = lambda w: pl.BlockSpec(w.shape, lambda i, j: (0,))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), dtype),
+        grid=(mp // tm, np_ // tn),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((tm,), lambda i, j: (i,)),
+            pl.BlockSpec((tm, x.shape[1]), lambda i, j: (i, 0)),
+            *(tile(w) if w.ndim == 3 else whole(w) for w in weights),
+        ],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        interpret=interpret(),
+        compiler_params=triton_params(),
+        name=name,
+    )(first, last, row_expert, x, *weights)
+
+
 @register("grouped_matmul", "pallas")
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     m, din = x.shape
@@ -84,27 +113,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
         return jnp.zeros((m, dout), dtype)
     tm, tn, tk = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N), _block(din, MAX_BLOCK_K)
     mp, np_, kp = round_up(m, tm), round_up(dout, tn), round_up(max(din, 1), tk)
-    row_expert, first, last = _row_experts(group_sizes, mp, tm, n_exp)
+    rows = _row_experts(group_sizes, mp, tm, n_exp)
     xs = pad_axis(pad_axis(x.astype(dtype), 0, mp), 1, kp)
     ws = pad_axis(pad_axis(w.astype(dtype), 1, kp), 2, np_)
     kernel = functools.partial(_gmm_kernel, n_k=kp // tk, tk=tk)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, np_), dtype),
-        grid=(mp // tm, np_ // tn),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((tm,), lambda i, j: (i,)),
-            pl.BlockSpec((tm, kp), lambda i, j: (i, 0)),
-            pl.BlockSpec((n_exp, kp, tn), lambda i, j: (0, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-        interpret=interpret(),
-        compiler_params=triton_params(),
-        name="grouped_matmul",
-    )(first, last, row_expert, xs, ws)
-    return out[:m, :dout]
+    return _launch(kernel, "grouped_matmul", rows, xs, [ws], tn, dtype)[:m, :dout]
 
 
 def _e4m3_value(bits: jax.Array) -> jax.Array:
@@ -160,34 +173,11 @@ def nvfp4_grouped_matmul(
         return jnp.zeros((m, dout), x.dtype)
     tm, tn = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N)
     mp, np_ = round_up(m, tm), round_up(dout, tn)
-    row_expert, first, last = _row_experts(group_sizes, mp, tm, n_exp)
+    rows = _row_experts(group_sizes, mp, tm, n_exp)
     scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint8)
-    out = pl.pallas_call(
-        functools.partial(_nvfp4_kernel, n_k=k // nvfp4.BLOCK),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
-        grid=(mp // tm, np_ // tn),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((tm,), lambda i, j: (i,)),
-            pl.BlockSpec((tm, k), lambda i, j: (i, 0)),
-            pl.BlockSpec((n_exp, k // 2, tn), lambda i, j: (0, 0, j)),
-            pl.BlockSpec((n_exp, k // nvfp4.GROUP, tn), lambda i, j: (0, 0, j)),
-            pl.BlockSpec((n_exp,), lambda i, j: (0,)),
-        ],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-        interpret=interpret(),
-        compiler_params=triton_params(),
-        name="nvfp4_grouped_matmul",
-    )(
-        first,
-        last,
-        row_expert,
-        pad_axis(x, 0, mp),
-        pad_axis(codes, 2, np_),
-        pad_axis(scale_bits, 2, np_),
-        tensor_scale.astype(F32),
-    )
+    weights = [pad_axis(codes, 2, np_), pad_axis(scale_bits, 2, np_), tensor_scale.astype(F32)]
+    kernel = functools.partial(_nvfp4_kernel, n_k=k // nvfp4.BLOCK)
+    out = _launch(kernel, "nvfp4_grouped_matmul", rows, pad_axis(x, 0, mp), weights, tn, x.dtype)
     return out[:m, :dout]
 
 
@@ -229,34 +219,13 @@ def fp8_grouped_matmul(
         return jnp.zeros((m, dout), x.dtype)
     tm, tn, tk = _block(m, MAX_BLOCK_M), _block(dout, MAX_BLOCK_N), _block(din, MAX_BLOCK_K)
     mp, np_, kp = round_up(m, tm), round_up(dout, tn), round_up(din, tk)
-    row_expert, first, last = _row_experts(group_sizes, mp, tm, n_exp)
+    rows = _row_experts(group_sizes, mp, tm, n_exp)
     xs = pad_axis(x, 0, mp)
     if x_scale is not None:
-        owner = jnp.minimum(row_expert, n_exp - 1)
+        owner = jnp.minimum(rows[0], n_exp - 1)
         xs = fp8.fake_quantize(xs, x_scale.astype(F32)[owner][:, None])
     bits = jax.lax.bitcast_convert_type(w, jnp.uint8)
-    out = pl.pallas_call(
-        functools.partial(_fp8_kernel, n_k=kp // tk, tk=tk),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
-        grid=(mp // tm, np_ // tn),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((tm,), lambda i, j: (i,)),
-            pl.BlockSpec((tm, kp), lambda i, j: (i, 0)),
-            pl.BlockSpec((n_exp, kp, tn), lambda i, j: (0, 0, j)),
-            pl.BlockSpec((n_exp,), lambda i, j: (0,)),
-        ],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-        interpret=interpret(),
-        compiler_params=triton_params(),
-        name="fp8_grouped_matmul",
-    )(
-        first,
-        last,
-        row_expert,
-        pad_axis(xs, 1, kp),
-        pad_axis(pad_axis(bits, 1, kp), 2, np_),
-        w_scale.astype(F32),
-    )
+    weights = [pad_axis(pad_axis(bits, 1, kp), 2, np_), w_scale.astype(F32)]
+    kernel = functools.partial(_fp8_kernel, n_k=kp // tk, tk=tk)
+    out = _launch(kernel, "fp8_grouped_matmul", rows, pad_axis(xs, 1, kp), weights, tn, x.dtype)
     return out[:m, :dout]
