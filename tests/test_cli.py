@@ -54,5 +54,10 @@ def test_engine_flags_reach_the_config():
     assert proc.returncode == 2 and "max_num_prefill_tokens must be >= 1" in proc.stderr
     proc = _run("serve", "--help")
     assert "--prefix-unit" in proc.stdout and "--max-prefill-chunk" in proc.stdout
-    for flag in ("--gpu-memory-utilization", "--kv-cache-memory", "--no-decode-first"):
+    for flag in (
+        "--gpu-memory-utilization",
+        "--kv-cache-memory",
+        "--kv-cache-dtype",
+        "--no-decode-first",
+    ):
         assert flag in proc.stdout
