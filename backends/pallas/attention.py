@@ -136,6 +136,7 @@ def _kernel(
             ids = table_ref[pl.ds(i * pages, pages)]
             k = k_ref[ids].reshape(block_k, -1)
             v = v_ref[ids].reshape(block_k, -1)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # e4m3 pages: widened before any select
         start = i * block_k
         key = start + jnp.arange(block_k, dtype=jnp.int32)
         dist = pos[:, None] - key[None, :]
@@ -143,7 +144,7 @@ def _kernel(
             live = (key >= lo) & (key < kv_len)
             k = jnp.where(live[:, None], k, 0)
             v = jnp.where(live[:, None], v, 0)
-        logits = dot(q, k.astype(q.dtype), 1, 1) * scale  # [block_m, block_k]
+        logits = dot(q, k, 1, 1) * scale  # [block_m, block_k]
         if bias is not None:  # a per-row constant, or a function of the tile's distances
             logits += bias if isinstance(bias, jax.Array) else bias(start, dist)
         if masked:
@@ -156,7 +157,7 @@ def _kernel(
         p = jnp.exp(logits - m_new[:, None])
         if masked:
             p = jnp.where(visible, p, 0.0)
-        acc = corr[:, None] * acc + dot(p.astype(q.dtype), v.astype(q.dtype))
+        acc = corr[:, None] * acc + dot(p.astype(q.dtype), v)
         return acc, m_new, corr * s_i + jnp.sum(p, axis=1)
 
     rows, width = q.shape
