@@ -10,7 +10,12 @@ each beside a ceiling measured in the same run.
     is searched for it (`fp8_gemm` in the row) and the ratio fp8 / bf16 printed;
   * decode GEMV, one token, the same weights: the `linear` op (pallas GEMV, bf16 rows) against
     `fp8_linear` (pallas: e4m3 rows; xla: the reference), as the share of the copy ceiling
-    their weight bytes take.
+    their weight bytes take;
+  * MoE: the grouped matmul at a decode batch (64 tokens x top-6 of 128 experts, 2688 -> 1856:
+    Nano-30B's up projection) and at a prefill one (8192 x 2048 -> 1408, 64 experts), bf16
+    experts (`grouped_matmul`) against e4m3 ones (`fp8_grouped_matmul`, pallas and xla);
+  * decode attention, 64 rows x 8k context, 32/8 heads d128, pages of 16: bf16 pages against
+    e4m3 pages (the FP8 KV cache), as the share of the copy ceiling their KV bytes take.
 Each time is the median of 5 timed loops of `--iters` calls. Each FP8 result is checked against
 the xla FP8 reference (relative L2 error). `--json` writes {date, commit, device, copy_gbps,
 bf16_tflops, rows: [{op, shape, impl, ms, rate, unit, ...}]}.
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from backends import fp8
 from backends.protocol import get_op
@@ -106,6 +112,56 @@ def gemv(args: argparse.Namespace, bandwidth: float) -> None:
             )  # fmt: skip
 
 
+def moe(args: argparse.Namespace, bandwidth: float) -> None:
+    rng = np.random.default_rng(3)
+    for m, k, n, e in ((64 * 6, 2688, 1856, 128), (8192, 2048, 1408, 64)):
+        m, k, n = m // args.smoke, k // args.smoke, n // args.smoke
+        sizes = jnp.asarray(rng.multinomial(m, np.ones(e) / e), jnp.int32)
+        x = jax.random.normal(jax.random.key(8), (m, k), BF)
+        w = (jax.random.normal(jax.random.key(9), (e, k, n), jnp.float32) / k**0.5).astype(BF)
+        ws = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)) / fp8.E4M3_MAX
+        w8 = fp8.quantize(w, ws[:, None, None])
+        xs = jnp.full((e,), 8.0 / 448, jnp.float32)
+        ref = jax.jit(get_op("fp8_grouped_matmul", "xla"))(x, w8, ws, xs, sizes)
+        touched = int(jnp.sum(sizes > 0))
+        for name, fn, wt, scales in [
+            ("bf16 pallas", get_op("grouped_matmul", "pallas"), w, ()),
+            ("bf16 xla", get_op("grouped_matmul", "xla"), w, ()),
+            ("fp8 pallas", get_op("fp8_grouped_matmul", "pallas"), w8, (ws, xs)),
+            ("fp8 xla", get_op("fp8_grouped_matmul", "xla"), w8, (ws, xs)),
+        ]:
+            run = jax.jit(lambda x, w, *a, fn=fn: fn(x, w, *a))
+            sec = timed(run, x, wt, *scales, sizes, iters=args.iters)
+            read = wt.nbytes * touched / e
+            extra = {"err": rel_err(run(x, wt, *scales, sizes), ref)} if scales else {}
+            row(
+                "moe", f"{name} {m}x{k}->{n} E{e}", sec, shape=[m, k, n, e],
+                TFLOPs=2 * m * k * n / sec / 1e12, of_bandwidth=read / sec / bandwidth, **extra,
+            )  # fmt: skip
+
+
+def attention(args: argparse.Namespace, bandwidth: float) -> None:
+    bsz, ctx, nq, nkv, hd, page = 64, 8192 // args.smoke, 32, 8, 128, 16
+    nblk = ctx // page
+    table = np.random.default_rng(4).permutation(np.arange(1, bsz * nblk + 1))
+    table = jnp.asarray(table.reshape(bsz, nblk), jnp.int32)
+    kv = [jax.random.normal(jax.random.key(i), (bsz * nblk + 1, nkv, page, hd), BF) for i in (1, 2)]
+    q = jax.random.normal(jax.random.key(3), (bsz, 1, nq, hd), BF)
+    pos, lens = jnp.full((bsz, 1), ctx - 1, jnp.int32), jnp.full((bsz,), ctx, jnp.int32)
+    kv8 = [fp8.quantize(a, 1.0) for a in kv]
+    xla, ours = (get_op("paged_attention", b) for b in ("xla", "pallas"))
+    ref = jax.jit(lambda *a: xla(*a, hd**-0.5, None))(q, *kv8, table, pos, lens)
+    for name, pages in (("bf16 pages", kv), ("e4m3 pages", kv8)):
+        fn = jax.jit(lambda *a: ours(*a, hd**-0.5, None))
+        sec = timed(fn, q, *pages, table, pos, lens, iters=args.iters)
+        read = 2 * bsz * ctx * nkv * hd * pages[0].dtype.itemsize
+        extra = {"err": rel_err(fn(q, *pages, table, pos, lens), ref)} if pages is kv8 else {}
+        row(
+            "decode attn", f"pallas {name}", sec, shape=f"{bsz} rows x {ctx} ctx 32/8 d128",
+            of_bandwidth=read / sec / bandwidth, **extra,
+        )  # fmt: skip
+
+
 def main() -> None:
     doc = __doc__.split("\n\n")
     parser = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]))
@@ -121,7 +177,13 @@ def main() -> None:
         args.iters = 1
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     bandwidth, flops = ceilings(args.smoke)
-    for section in (lambda: gemm(args, args.tokens // args.smoke), lambda: gemv(args, bandwidth)):
+    sections = [
+        lambda: gemm(args, args.tokens // args.smoke),
+        lambda: gemv(args, bandwidth),
+        lambda: moe(args, bandwidth),
+        lambda: attention(args, bandwidth),
+    ]
+    for section in sections:
         try:
             section()
         except Exception as exc:  # noqa: BLE001  (a failed section keeps the others' rows)
