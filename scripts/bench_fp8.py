@@ -171,19 +171,23 @@ def main() -> None:
     parser.add_argument("--json", help="write the run here")
     parser.add_argument("--commit", default="", help="the code's commit, for the JSON")
     parser.add_argument("--smoke", action="store_true", help="sizes / 64: check the script")
+    parser.add_argument(
+        "--only", nargs="*", default=["gemm", "gemv", "moe", "attention"],
+        choices=["gemm", "gemv", "moe", "attention"], help="the sections to run",
+    )  # fmt: skip
     args = parser.parse_args()
     args.smoke = 64 if args.smoke else 1
     if args.smoke > 1:
         args.iters = 1
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     bandwidth, flops = ceilings(args.smoke)
-    sections = [
-        lambda: gemm(args, args.tokens // args.smoke),
-        lambda: gemv(args, bandwidth),
-        lambda: moe(args, bandwidth),
-        lambda: attention(args, bandwidth),
-    ]
-    for section in sections:
+    sections = {
+        "gemm": lambda: gemm(args, args.tokens // args.smoke),
+        "gemv": lambda: gemv(args, bandwidth),
+        "moe": lambda: moe(args, bandwidth),
+        "attention": lambda: attention(args, bandwidth),
+    }
+    for section in (sections[name] for name in args.only):
         try:
             section()
         except Exception as exc:  # noqa: BLE001  (a failed section keeps the others' rows)

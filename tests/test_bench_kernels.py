@@ -75,3 +75,19 @@ def test_smoke_run_writes_the_json(tmp_path) -> None:
     ours = {(r["op"], r["impl"].split()[0]) for r in rows}
     assert {("grouped matmul", "xla"), ("grouped matmul", "pallas"), ("rms_norm", "xla")} <= ours
     assert all(r["rate"] > 0 and r["ms"] > 0 and r["unit"] for r in rows)
+
+
+def test_fp8_bench_smoke_run_writes_the_json(tmp_path) -> None:
+    """bench_fp8 end to end on the CPU (--smoke sizes, the GEMV and MoE sections): FP8 rows
+    checked against the xla reference, the JSON in the issue's fields."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "fp8.json"
+    cmd = [sys.executable, str(root / "scripts" / "bench_fp8.py"), "--smoke", "--only", "gemv",
+           "moe", "--json", str(out), "--commit", "abc1234"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {"date", "commit", "device", "copy_gbps", "bf16_tflops", "rows"} <= set(data)
+    fp8_rows = [r for r in data["rows"] if r["impl"].startswith("fp8")]
+    assert {r["op"] for r in fp8_rows} == {"gemv", "moe"} and len(fp8_rows) == 8
+    assert all(r["err"] < 1e-2 and r["unit"] for r in fp8_rows)
