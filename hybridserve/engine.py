@@ -139,6 +139,8 @@ class LLMEngine:
         decode engine. `mm`: the embeddings of a prompt from `prepare_multimodal` (whose
         expanded ids are `prompt`)."""
         ids = self.validate(prompt, params)
+        if params.penalized and self.runner.spec is not None:
+            raise ValueError("penalties are not supported with speculative decoding yet")
         if mm is not None and (not mm.positions or mm.positions[-1] >= len(ids)):
             raise ValueError("multimodal positions do not fit the prompt (use prepare_multimodal)")
         if mm is not None and kv_transfer_params:
@@ -259,9 +261,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; outputs of every request that got a token in it. With
         `async_scheduling` the step's tokens are still on the device when it returns: the
-        outputs are those of the step before (`_step_overlapped`)."""
-        if self._overlap:
+        outputs are those of the step before (`_step_overlapped`); while a request with
+        penalties runs (they count every token so far), steps run one at a time."""
+        if self._overlap and not self.runner.requests.penalized:
             return self._step_overlapped()
+        if self._flight is not None:  # a penalised request counts every token: land it first
+            flight, self._flight = self._flight, None
+            self._ready += self._land(flight, self._record(flight))
         self.poll_transfers()
         out = self._schedule()
         ready, self._ready = self._ready, []

@@ -13,7 +13,15 @@ class SamplingParams:
     Generation stops at `max_tokens`, at an EOS token (unless `ignore_eos`, or before
     `min_tokens`), at any of `stop_token_ids`, or when the text contains one of the `stop`
     strings (which is cut off). `logprobs=n` returns, per generated token, its log-probability
-    and the n most likely tokens'. `seed` makes sampling reproducible per request.
+    and the n most likely tokens' (of the model's distribution, before penalties and filters).
+    `seed` makes sampling reproducible per request.
+
+    Penalties (vLLM's and OpenAI's meanings), applied to the logits l of each step before the
+    temperature, with c(t) the times token t was generated so far:
+      repetition_penalty r (> 0, 1 = off): every token in the prompt or the output so far gets
+        `l / r` where l > 0 and `l * r` elsewhere;
+      frequency_penalty f ([-2, 2]): `l - f * c(t)`;
+      presence_penalty p ([-2, 2]): `l - p * [c(t) > 0]`.
     """
 
     temperature: float = 1.0
@@ -29,6 +37,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Does any penalty change the logits?"""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +73,18 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
             ),
             (self.n == 1, f"n > 1 is not supported yet, got n={self.n}"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

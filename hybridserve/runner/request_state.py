@@ -74,6 +74,7 @@ class RequestStates:
 
     def __init__(self) -> None:
         self._states: dict[str, RequestState] = {}
+        self.penalized = 0  # requests with penalties (their steps need every token settled)
 
     def add(
         self,
@@ -89,10 +90,13 @@ class RequestStates:
         self._states[req_id] = RequestState(
             req_id, params, jax.random.key(seed), list(token_ids), len(token_ids), stop_ids
         )
+        self.penalized += params.penalized
 
     def remove(self, req_id: str) -> None:
         """Forget a finished or aborted request (unknown ids are ignored)."""
-        self._states.pop(req_id, None)
+        state = self._states.pop(req_id, None)
+        if state is not None:
+            self.penalized -= state.params.penalized
 
     def __getitem__(self, req_id: str) -> RequestState:
         return self._states[req_id]

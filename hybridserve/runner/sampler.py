@@ -1,5 +1,5 @@
-"""Token sampling (greedy, temperature, top-k, top-p, min-p; one PRNG key per row) and
-log-probabilities."""
+"""Token sampling (greedy, temperature, top-k, top-p, min-p; one PRNG key per row), the
+repetition, frequency and presence penalties, and log-probabilities."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridserve.core.outputs import PENDING_TOKEN
 from hybridserve.runner.request_state import RequestState
 
 SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)  # temperature, k, p, min_p
@@ -97,6 +98,64 @@ def logprobs(
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
+@jax.jit
+def penalize(
+    logits: jax.Array,
+    prompt_ids: jax.Array,
+    output_ids: jax.Array,
+    repetition: jax.Array,
+    frequency: jax.Array,
+    presence: jax.Array,
+) -> jax.Array:
+    """The logits [B, V] with `SamplingParams`' penalties: a token seen in the prompt or the
+    output gets `l / r` (l > 0) or `l * r`; then `l - f * c - p * [c > 0]`, c its count in the
+    output. `prompt_ids` [B, Lp] and `output_ids` [B, Lo] hold token ids padded with V (not a
+    token: dropped); `repetition`, `frequency`, `presence` [B] (1, 0, 0: off)."""
+    rows, vocab = logits.shape
+    at = jnp.arange(rows)[:, None]
+
+    def counts(ids: jax.Array) -> jax.Array:
+        return jnp.zeros((rows, vocab), jnp.int32).at[at, ids].add(1, mode="drop")
+
+    out = counts(output_ids)
+    seen = (out + counts(prompt_ids)) > 0
+    r = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * out - presence[:, None] * (out > 0)
+
+
+def _padded(lists: list[list[int]], fill: int) -> jax.Array:
+    """Token id lists as one [B, L] array, L a power of two (>= 8), padded with `fill`."""
+    width = max(8, 1 << max(len(ids) for ids in lists).bit_length())
+    out = np.full((len(lists), width), fill, np.int32)
+    for i, ids in enumerate(lists):
+        out[i, : len(ids)] = ids
+    return jnp.asarray(out)
+
+
+def penalty_inputs(states: list[RequestState], rows: int, vocab: int) -> tuple | None:
+    """`penalize`'s arguments after the logits for `states` padded to `rows` (None when no
+    request is penalised: nothing then goes to the device). Every token id must be settled
+    (the engine steps one at a time while a penalised request runs)."""
+    if not any(t.params.penalized for t in states):
+        return None
+    prompts, outputs, values = [], [], []
+    for t in states:
+        if t.params.penalized and PENDING_TOKEN in t.token_ids:
+            raise RuntimeError(f"{t.req_id}: penalties need every token settled (none in flight)")
+        if t.params.penalized:
+            prompts.append(t.token_ids[: t.num_prompt_tokens])
+            outputs.append(t.token_ids[t.num_prompt_tokens :])
+            p = t.params
+            values.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        else:
+            prompts.append([]), outputs.append([]), values.append((1.0, 0.0, 0.0))
+    pad = rows - len(states)
+    prompts, outputs = prompts + [[]] * pad, outputs + [[]] * pad
+    values = np.asarray(values + [(1.0, 0.0, 0.0)] * pad, np.float32).T
+    return _padded(prompts, vocab), _padded(outputs, vocab), *map(jnp.asarray, values)
+
+
 _fold_keys = jax.jit(jax.vmap(jax.random.fold_in))
 
 
@@ -124,6 +183,10 @@ def draw(
         blocked = sorted(state.blocked_ids)
         if blocked:
             logits = logits.at[i, jnp.asarray(blocked)].set(-jnp.inf)
+    raw = logits  # the logprobs are the model's (before penalties), as vLLM returns them
+    penalties = penalty_inputs(states, logits.shape[0], logits.shape[1])
+    if penalties is not None:
+        logits = penalize(logits, *penalties)
     columns = (
         [p.temperature for p in params],
         [p.top_k for p in params],
@@ -141,7 +204,7 @@ def draw(
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if not wanted:
         return tokens, None
-    return tokens, logprobs(logits, tokens, max(max(wanted), 1))
+    return tokens, logprobs(raw, tokens, max(max(wanted), 1))
 
 
 def fetch(
