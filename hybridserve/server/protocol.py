@@ -1,20 +1,23 @@
 """The OpenAI-compatible request and response bodies (pydantic).
 
-Requests are strict (`"1"` is not an int, `1.0` is not an int) and reject unknown fields, so a
-typo is a 400 instead of a silently ignored setting. Fields of the OpenAI API that this server
-cannot honour (`echo`, `best_of > 1`, penalties, `logit_bias`, `suffix`) are accepted only at
-their neutral values. Limits that depend on the model (prompt length, vocabulary, `max_tokens`
-against `max_model_len`) are checked by `serving.py`.
+Requests are strict about types (`"1"` is not an int, `1.0` is not an int). Unknown top-level
+fields are ignored with a warning naming them, as vLLM does (stock clients send extensions
+through `extra_body`); unknown fields inside nested objects are refused. Fields of the OpenAI
+API that this server cannot honour (`echo`, `best_of > 1`, `logit_bias`, `suffix`) are
+accepted only at their neutral values. Limits that depend on the model (prompt length,
+vocabulary, `max_tokens` against `max_model_len`) are checked by `serving.py`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -22,6 +25,21 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Lenient(BaseModel):
+    """A request body: unknown top-level fields are dropped, with a warning naming them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                log.warning("%s: ignoring unknown fields %s", cls.__name__, unknown[:20])
+        return data
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...], name: str) -> Any:
@@ -52,7 +70,7 @@ class KVTransferParams(BaseModel):
     lease_s: float | None = Field(None, gt=0)
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Lenient):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -70,8 +88,9 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # extension: choices[].token_ids and prompt_token_ids
@@ -83,11 +102,6 @@ class _SamplingRequest(_Strict):
         if stop == "" or (isinstance(stop, list) and "" in stop):
             raise ValueError("stop strings must not be empty")
         return stop
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        return _neutral(value, (0.0,), "a non-zero penalty")
 
     @field_validator("logit_bias")
     @classmethod

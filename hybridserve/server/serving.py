@@ -214,6 +214,9 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
             )
         except ValueError as err:
             raise APIError(400, str(err)) from err

@@ -29,7 +29,7 @@ CASES = [
     ("max_tokens as string", COMPLETIONS, {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens as float", COMPLETIONS, {"prompt": "a", "max_tokens": 5.0}, 400, "max_tokens"),
     ("stream as string", COMPLETIONS, {"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("unknown field", COMPLETIONS, {"prompt": "a", "max_tokenz": 5}, 400, "max_tokenz"),
+    ("unknown nested field", COMPLETIONS, {"prompt": "a", "stream_options": {"x": 1}}, 400, None),
     ("unknown model", COMPLETIONS, {"prompt": "a", "model": "gpt-5"}, 404, "model"),
     ("negative max_tokens", COMPLETIONS, {"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
     ("zero max_tokens", COMPLETIONS, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
@@ -54,7 +54,8 @@ CASES = [
     ("empty stop", COMPLETIONS, {"prompt": "a", "stop": [""]}, 400, "stop"),
     ("stop ids past vocab", COMPLETIONS, {"prompt": "a", "stop_token_ids": [9999]}, 400, None),
     ("echo", COMPLETIONS, {"prompt": "a", "echo": True}, 400, "echo"),
-    ("penalty", COMPLETIONS, {"prompt": "a", "presence_penalty": 1.0}, 400, None),
+    ("penalty past 2", COMPLETIONS, {"prompt": "a", "presence_penalty": 2.5}, 400, None),
+    ("repetition penalty 0", COMPLETIONS, {"prompt": "a", "repetition_penalty": 0}, 400, None),
     (
         "kv params on a plain server",
         COMPLETIONS,

@@ -221,3 +221,22 @@ def test_metrics_count_what_was_sent(server):
     assert delta("hybridserve_time_to_first_token_seconds_count") == 3
     assert delta("hybridserve_inter_token_latency_seconds_count") == 12
     assert delta("hybridserve_e2e_request_latency_seconds_count") == 3
+
+
+def test_openai_client_with_penalties_and_extra_body(server, offline):
+    """Penalties (presence, frequency, and vLLM's repetition_penalty through `extra_body`) give
+    the offline engine's tokens; an unknown field is ignored (with a warning), not refused."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    got = client.completions.create(
+        model="default", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+        presence_penalty=0.8, frequency_penalty=0.4,
+        extra_body={"repetition_penalty": 1.1, "return_token_ids": True, "some_extension": 1},
+    )  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=16, presence_penalty=0.8, frequency_penalty=0.4,
+        repetition_penalty=1.1,
+    )  # fmt: skip
+    want = offline.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert got.choices[0].token_ids == want.token_ids
+    plain = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16), False)
+    assert plain[0].outputs[0].token_ids != want.token_ids, "weak test: the penalties did nothing"
