@@ -225,11 +225,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hybridserve", description="Serve hybrid Mamba2 + attention language models with JAX."
+        prog="hybridserve",
+        description="Serve hybrid Mamba2 + attention language models with JAX.",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser(
         "generate",
+        allow_abbrev=False,
         help="generate text for prompts and print timings",
         description="Generate continuations of PROMPTS with a local model and "
         "print the text, time to first token and tokens/s.",
@@ -250,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="run an OpenAI-compatible HTTP server",
         description="Serve MODEL over an OpenAI-compatible HTTP API (completions and chat "
         "completions), with Prometheus metrics, a bounded queue and request limits.",
@@ -261,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_parser(sub)
     conv = sub.add_parser(
         "convert",
+        allow_abbrev=False,
         help="convert an HF checkpoint to our orbax layout",
         description="Convert a Hugging Face checkpoint (safetensors, one file "
         "or sharded) to an orbax checkpoint plus our config.",

@@ -61,3 +61,14 @@ def test_engine_flags_reach_the_config():
         "--no-decode-first",
     ):
         assert flag in proc.stdout
+
+
+def test_vllm_spellings_and_no_abbreviations():
+    """`--dtype auto` and `--no-enable-prefix-caching` (vLLM's names) are flags; an abbreviation
+    of a flag is an error, not a silent match."""
+    help_text = _run("serve", "--help").stdout
+    assert "--no-enable-prefix-caching" in help_text and "auto" in help_text
+    proc = _run("serve", "--max-num-seq", "4")
+    assert proc.returncode == 2 and "unrecognized arguments: --max-num-seq" in proc.stderr
+    proc = _run("generate", "--max-token", "4")
+    assert proc.returncode == 2 and "unrecognized arguments: --max-token" in proc.stderr

@@ -38,6 +38,8 @@ class ParallelConfig:
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
 
 
+# the compute dtypes (None: the checkpoint's)
+MODEL_DTYPES = (None, "float32", "bfloat16", "float16")
 # KV cache dtypes: "auto", array dtype names, and vLLM's spellings of the 8-bit floats
 KV_DTYPES = (
     "auto",
@@ -179,7 +181,8 @@ def from_mapping(cls: type, data: Any, what: str) -> Any:
 class EngineConfig:
     """Everything an `LLMEngine` is built from (the tree in the module docstring).
 
-    `model`: the model directory. `dtype`: "float32" or "bfloat16" (None keeps the checkpoint's).
+    `model`: the model directory. `dtype`: "float32", "bfloat16" or "float16" (None or "auto"
+    keeps the checkpoint's).
     `backend`: the op backend ("auto": pallas kernels with XLA norms on GPUs, xla elsewhere;
     "xla", "pallas", "torch"; "BASE,OP=OTHER" takes one op from another backend). `seed`: base
     seed of requests whose SamplingParams carry none, and of dummy weights. `load_format`:
@@ -202,6 +205,12 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":  # vLLM's spelling of "the checkpoint's"
+            object.__setattr__(self, "dtype", None)
+        require(
+            self.dtype in MODEL_DTYPES,
+            f"dtype {self.dtype!r} is not one of {[d for d in MODEL_DTYPES if d]} or 'auto'",
+        )
         if self.scheduler.max_model_len != self.max_model_len:
             scheduler = dataclasses.replace(self.scheduler, max_model_len=self.max_model_len)
             object.__setattr__(self, "scheduler", scheduler)

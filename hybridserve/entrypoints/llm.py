@@ -39,7 +39,7 @@ class LLM:
       progress: show a progress bar while loading weights.
       **engine_kwargs: the engine settings, as `EngineConfig.from_kwargs` takes them (an
         unknown name is a `TypeError`; the defaults are `EngineConfig`'s):
-        dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
+        dtype: "float32", "bfloat16" or "float16"; None or "auto" keeps the checkpoint's dtype.
         tensor_parallel_size: devices to shard the model (and its cache) over.
         backend: op backend, "auto" (pallas kernels with XLA norms on GPUs, xla elsewhere),
           "xla" (reference), "pallas" or "torch"; "BASE,OP=OTHER" takes one op from another.

@@ -28,7 +28,13 @@ class EngineFlag:
 
 
 ENGINE_FLAGS = (
-    EngineFlag(("--dtype",), "dtype", "compute dtype", str, ("float32", "bfloat16")),
+    EngineFlag(
+        ("--dtype",),
+        "dtype",
+        "compute dtype (auto: the checkpoint's)",
+        str,
+        ("auto", "float32", "bfloat16", "float16"),
+    ),
     EngineFlag(
         ("--backend",),
         "backend",
@@ -99,7 +105,7 @@ ENGINE_FLAGS = (
         ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"),
     ),
     EngineFlag(
-        ("--no-prefix-caching",),
+        ("--no-enable-prefix-caching", "--no-prefix-caching"),
         "enable_prefix_caching",
         "do not reuse computed prefixes",
         const=False,
@@ -279,6 +285,7 @@ def add_proxy_parser(subcommands: Any) -> argparse.ArgumentParser:
     """Add `proxy` to the CLI's subcommands (an argparse subparsers object)."""
     prx = subcommands.add_parser(
         "proxy",
+        allow_abbrev=False,
         help="route requests through prefill and decode instances (disaggregated serving)",
         description="One OpenAI-compatible endpoint in front of `hybridserve serve` prefill "
         "(kv_producer) and decode (kv_consumer) instances.",

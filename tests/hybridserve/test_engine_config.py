@@ -195,3 +195,10 @@ def test_kv_transfer_flag_keeps_its_messages():
     with pytest.raises(ValueError, match="--kv-transfer-config: a value has the wrong type"):
         parse_kv_transfer_config('{"nixl_threads": "2"}')
     assert parse_kv_transfer_config('{"kv_role": "kv_consumer"}').is_consumer
+
+
+def test_dtype_auto_is_the_checkpoints_and_a_bad_one_is_named():
+    assert EngineConfig.from_kwargs("m", dtype="auto").dtype is None
+    assert EngineConfig.from_kwargs("m", dtype="float16").dtype == "float16"
+    with pytest.raises(ConfigError, match="dtype 'int8' is not one of"):
+        EngineConfig.from_kwargs("m", dtype="int8")
