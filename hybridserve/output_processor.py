@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from hybridserve.core.request import Request
-from hybridserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hybridserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
 
@@ -75,10 +75,12 @@ class _Tracked:
     params: SamplingParams
     prompt: str | None
     metrics: RequestMetrics
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     detok: IncrementalDetokenizer | None
     text: str = ""
     reported: int = 0  # output tokens already returned
+    cumulative: float = 0.0  # the chosen tokens' logprobs, summed over the first `summed`
+    summed: int = 0
     stopped: bool = False  # ended by a stop string: `text` is cut before it
 
 
@@ -136,7 +138,7 @@ class OutputProcessor:
     def process(
         self,
         sampled: dict[str, list[int]],
-        logprobs: dict[str, list[dict[int, float]]],
+        logprobs: dict[str, list[dict[int, Logprob]]],
         finished: set[str],
     ) -> list[RequestOutput]:
         """Outputs of the requests that got tokens in a step (`sampled`, as the runner gave
@@ -154,7 +156,7 @@ class OutputProcessor:
                 tracked.metrics.num_cached_tokens = req.num_cached_tokens
             tracked.metrics.num_generated_tokens = len(req.output_token_ids)
             if tracked.logprobs is not None:
-                tracked.logprobs.extend(logprobs.get(req_id, ()))
+                tracked.logprobs.extend(map(self._decoded, logprobs.get(req_id, ())))
             done = req_id in finished
             stop = self._update_text(tracked, check_stops=not done)
             if stop is not None:
@@ -166,6 +168,16 @@ class OutputProcessor:
             if done:
                 del self._tracked[req_id]
         return outputs
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """A logprob entry with each token's text (when there is a tokenizer)."""
+        if self.tokenizer is None:
+            return entry
+        decode = self.tokenizer.decode
+        return {
+            t: dataclasses.replace(lp, decoded_token=decode([t], skip_special_tokens=False))
+            for t, lp in entry.items()
+        }
 
     def _update_text(self, tracked: _Tracked, check_stops: bool) -> str | None:
         """Decode the request's new tokens; the first stop string now in its text (the text
@@ -195,6 +207,14 @@ class OutputProcessor:
         kv_params = self.transfer_params(req) if finished else None
         if kv_params is not None:  # a prefill request: its output is the decode side's params
             ids, new, text = [], [], ""
+        cumulative = None
+        if tracked.logprobs is not None:
+            for token, entry in zip(
+                ids[tracked.summed :], tracked.logprobs[tracked.summed :], strict=False
+            ):
+                tracked.cumulative += entry[token].logprob
+                tracked.summed += 1
+            cumulative = tracked.cumulative
         completion = CompletionOutput(
             0,
             text,
@@ -202,6 +222,7 @@ class OutputProcessor:
             req.finish_reason if finished else None,
             req.stop_reason if finished else None,
             tracked.logprobs,
+            cumulative,
         )
         return RequestOutput(
             req.req_id,

@@ -6,16 +6,31 @@ import dataclasses
 import time
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model (before penalties and filters), its rank
+    in the distribution (1: the most likely) and its text (None without a tokenizer): vLLM's
+    `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclasses.dataclass
 class CompletionOutput:
-    """One generated sequence. finish_reason: "stop" (EOS, stop token or string) or "length"."""
+    """One generated sequence. finish_reason: "stop" (EOS, stop token or string) or "length".
+    With `SamplingParams.logprobs`: `logprobs` per generated token {token id: Logprob} (the
+    chosen token and the most likely ones) and `cumulative_logprob`, the sum of the chosen
+    tokens' log-probabilities (None without logprobs, as vLLM)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass

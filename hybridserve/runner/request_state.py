@@ -14,6 +14,7 @@ import dataclasses
 import jax
 
 from hybridserve.core.outputs import ScheduledChunk
+from hybridserve.outputs import Logprob
 from hybridserve.runner.input_batch import BatchArrays
 from hybridserve.sampling_params import SamplingParams
 
@@ -66,7 +67,7 @@ class RunnerOutput:
     per new token ({token id: logprob}: the chosen token and the top `logprobs`)."""
 
     sampled: dict[str, list[int]]
-    logprobs: dict[str, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
 
 
 class RequestStates:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridserve.core.outputs import PENDING_TOKEN
+from hybridserve.outputs import Logprob
 from hybridserve.runner.request_state import RequestState
 
 SAMPLING_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)  # temperature, k, p, min_p
@@ -90,12 +91,14 @@ def logprobs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the model's distribution (before any sampling transform).
 
-    Returns: chosen [B] (logprob of `tokens`), top ids [B, num], top logprobs [B, num].
+    Returns: chosen [B] (logprob of `tokens`), top ids [B, num], top logprobs [B, num], and
+    the chosen tokens' ranks [B] (1 + the number of more likely tokens).
     """
     lp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(lp, num)
-    return chosen, top_ids.astype(jnp.int32), top_lp
+    rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1)
+    return chosen, top_ids.astype(jnp.int32), top_lp, rank.astype(jnp.int32)
 
 
 @jax.jit
@@ -161,7 +164,7 @@ _fold_keys = jax.jit(jax.vmap(jax.random.fold_in))
 
 def sample_requests(
     states: list[RequestState], logits: jax.Array
-) -> tuple[np.ndarray, list[dict[int, float] | None]]:
+) -> tuple[np.ndarray, list[dict[int, Logprob] | None]]:
     """One token for each request in `states` from its row of `logits` (rows beyond them are
     padding: they get the first request's parameters), and each one's logprob entry
     ({token id: logprob}: the chosen token and the top `params.logprobs`; None when not asked).
@@ -209,15 +212,19 @@ def draw(
 
 def fetch(
     states: list[RequestState], tokens: jax.Array, lp: tuple[jax.Array, ...] | None
-) -> tuple[np.ndarray, list[dict[int, float] | None]]:
-    """`draw`'s results on the host: the tokens of `states` and their logprob entries."""
+) -> tuple[np.ndarray, list[dict[int, Logprob] | None]]:
+    """`draw`'s results on the host: the tokens of `states` and their logprob entries (the
+    top `logprobs` tokens in rank order, then the chosen one)."""
     host = np.asarray(tokens)[: len(states)]
-    entries: list[dict[int, float] | None] = [None] * len(states)
+    entries: list[dict[int, Logprob] | None] = [None] * len(states)
     if lp is not None:
-        chosen, top_ids, top_lp = (np.asarray(a) for a in lp)
+        chosen, top_ids, top_lp, rank = (np.asarray(a) for a in lp)
         for i, t in enumerate(states):
             if t.params.logprobs is not None:
-                entry = {int(top_ids[i, j]): float(top_lp[i, j]) for j in range(t.params.logprobs)}
-                entry[int(host[i])] = float(chosen[i])
+                entry = {
+                    int(top_ids[i, j]): Logprob(float(top_lp[i, j]), j + 1)
+                    for j in range(t.params.logprobs)
+                }
+                entry[int(host[i])] = Logprob(float(chosen[i]), int(rank[i]))
                 entries[i] = entry
     return host, entries

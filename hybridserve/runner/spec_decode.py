@@ -37,6 +37,7 @@ import numpy as np
 
 from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import SchedulerOutput
+from hybridserve.outputs import Logprob
 from hybridserve.runner.request_state import RequestState, RequestStates, StepLogits
 from hybridserve.runner.sampler import filtered_logits, sample_requests
 from hybridserve.runner.speculative import verify, verify_greedy
@@ -64,7 +65,7 @@ class SpecDecoder:
 
     def accept(
         self, result: StepLogits, out: SchedulerOutput, states: RequestStates
-    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, Logprob]]]]:
         """Tokens per sampling request: for rows without drafts one token (drawn exactly as
         without speculation, `sample_requests`, with its logprob entry when asked), for rows
         with drafts the accepted drafts and one more token. Every array is padded to the
@@ -72,7 +73,7 @@ class SpecDecoder:
         chunks = {c.req_id: c for c in out.chunks}
         ids = result.req_ids
         sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[dict[int, float]]] = {}
+        logprobs: dict[str, list[dict[int, Logprob]]] = {}
         if not ids:
             self._last = (result, out, sampled, {})
             return sampled, logprobs

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from hybridserve.outputs import RequestOutput
+from hybridserve.outputs import Logprob, RequestOutput
 from hybridserve.server import protocol as P
 from hybridserve.tokenizer import Tokenizer
 
@@ -52,7 +52,7 @@ class ResponseFormat:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, ids: list[int], entries: list[dict[int, float]] | None) -> Any:
+    def _logprobs(self, ids: list[int], entries: list[dict[int, Logprob]] | None) -> Any:
         if self.num_logprobs is None or entries is None:
             return None
         k = self.num_logprobs
@@ -61,13 +61,15 @@ class ResponseFormat:
             for token_id, entry in zip(ids, entries, strict=False):
                 token = self._token(token_id)
                 top = [
-                    P.TopLogprob(token=(t := self._token(i)), logprob=lp, bytes=list(t.encode()))
+                    P.TopLogprob(
+                        token=(t := self._token(i)), logprob=lp.logprob, bytes=list(t.encode())
+                    )
                     for i, lp in list(entry.items())[:k]
                 ]
                 content.append(
                     P.TokenLogprob(
                         token=token,
-                        logprob=entry[token_id],
+                        logprob=entry[token_id].logprob,
                         bytes=list(token.encode()),
                         top_logprobs=top,
                     )
@@ -77,8 +79,9 @@ class ResponseFormat:
         for token_id, entry in zip(ids, entries, strict=False):
             token = self._token(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(entry[token_id])
-            result.top_logprobs.append({self._token(i): lp for i, lp in list(entry.items())[:k]})
+            result.token_logprobs.append(entry[token_id].logprob)
+            top = list(entry.items())[:k]
+            result.top_logprobs.append({self._token(i): lp.logprob for i, lp in top})
             result.text_offset.append(self.offset)
             self.offset += len(token)
         return result

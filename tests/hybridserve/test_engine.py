@@ -66,10 +66,12 @@ def test_prefix_cache_hit_gives_the_cold_output(hf_checkpoint, nemotron):
     assert warm.stats()["prefix_cache_hit_rate"] > 0
     assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
     hot_lp = [
-        lp[t] for lp, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids, strict=True)
+        lp[t].logprob
+        for lp, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids, strict=True)
     ]
     cold_lp = [
-        lp[t] for lp, t in zip(cold.outputs[0].logprobs, cold.outputs[0].token_ids, strict=True)
+        lp[t].logprob
+        for lp, t in zip(cold.outputs[0].logprobs, cold.outputs[0].token_ids, strict=True)
     ]
     np.testing.assert_allclose(hot_lp, cold_lp, atol=1e-4)
 
@@ -112,13 +114,38 @@ def test_logprobs_and_min_p(hf_checkpoint):
     )[0].outputs[0]
     assert len(out.logprobs) == 6
     for token, entry in zip(out.token_ids, out.logprobs, strict=True):
-        assert len(entry) == 3 and entry[token] == max(entry.values()) <= 0.0
+        best = max(lp.logprob for lp in entry.values())
+        assert len(entry) == 3 and entry[token].logprob == best <= 0.0
+        assert entry[token].rank == 1 and sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        assert entry[token].decoded_token is None  # this checkpoint has no tokenizer
+    chosen = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs, strict=True)]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen))
     strict = SamplingParams(temperature=1.0, min_p=1.0, max_tokens=6, seed=1, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     p = _prompts(1, seed=9)
     assert _tokens(llm.generate(p, strict, use_tqdm=False)) == _tokens(
         llm.generate(p, greedy, use_tqdm=False)
     )
+
+
+def test_sampled_logprobs_rank_and_text():
+    """vLLM's `Logprob`: a sampled token's rank counts the more likely tokens (so it may be
+    past the top entries), and each entry carries its token's text."""
+    llm = LLM(DEFAULT_MODEL, **SERVED, progress=False)
+    params = SamplingParams(temperature=1.5, max_tokens=12, seed=3, logprobs=2, ignore_eos=True)
+    out = llm.generate("def ", params, use_tqdm=False)[0].outputs[0]
+    assert out.cumulative_logprob is not None and out.cumulative_logprob < 0
+    ranks = []
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        mine = entry[token]
+        above = sum(lp.logprob > mine.logprob for t, lp in entry.items() if t != token)
+        assert mine.rank >= 1 + above and (mine.rank <= 2) == (token in list(entry)[:2])
+        for t, lp in entry.items():
+            assert lp.decoded_token == llm.engine.tokenizer.decode([t], skip_special_tokens=False)
+        ranks.append(mine.rank)
+    assert max(ranks) > 1, "weak test: every sampled token was the most likely"
+    plain = llm.generate("def ", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
 def test_stop_strings_on_the_default_model():
