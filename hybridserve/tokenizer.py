@@ -1,4 +1,5 @@
-"""A thin wrapper over a Hugging Face `tokenizers` tokenizer (`tokenizer.json`)."""
+"""A thin wrapper over a Hugging Face `tokenizers` tokenizer (`tokenizer.json`), with the
+model's chat template (`apply_chat_template`, as transformers' tokenizers have it)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from hybridserve.chat_template import ChatTemplate
+
 
 class Tokenizer:
     """Encode / decode with the special tokens named in `tokenizer_config.json`."""
 
     def __init__(self, directory: str | Path) -> None:
         directory = Path(directory)
+        self.directory = directory
+        self._chat_template: ChatTemplate | None = None
         self._tok = _HFTokenizer.from_file(str(directory / "tokenizer.json"))
         conf_path = directory / "tokenizer_config.json"
         conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
@@ -42,3 +47,31 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        """`{"input_ids": encode(text)}`, as a transformers tokenizer answers a call."""
+        return {"input_ids": self.encode(text)}
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (`chat_template.jinja` or `tokenizer_config.json`; the
+        documented fallback without one), loaded once."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.load(self.directory)
+        return self._chat_template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+    ) -> str | list[int]:
+        """The prompt for `messages` ({"role", "content"} dicts) by the model's template (or
+        the jinja source `chat_template`): token ids, or the text with `tokenize=False`.
+        Raises `ChatTemplateError` (a ValueError) when the template fails on them."""
+        template = self.chat_template
+        if chat_template is not None:  # another source, the model's special tokens
+            template = ChatTemplate(chat_template, template.special_tokens)
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text) if tokenize else text

@@ -22,7 +22,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LEAVES = ("hybridserve.outputs", "hybridserve.sampling_params", "hybridserve.tokenizer")
+LEAVES = (
+    "hybridserve.outputs",
+    "hybridserve.sampling_params",
+    "hybridserve.tokenizer",
+    "hybridserve.chat_template",
+)
 CONFIG = ("hybridserve.config",)
 CACHE = (*CONFIG, "hybridserve.cache")
 PURE_CACHE = tuple(f"hybridserve.cache.{m}" for m in ("spec", "plan", "page_layout"))
@@ -37,7 +42,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "hybridserve.parallel": (),
     "hybridserve.outputs": (),
     "hybridserve.sampling_params": (),
-    "hybridserve.tokenizer": (),
+    "hybridserve.tokenizer": ("hybridserve.chat_template",),
+    "hybridserve.chat_template": (),
     "hybridserve.prompt_check": (),
     "hybridserve.output_processor": ("hybridserve.core", *LEAVES),
     "hybridserve.cache": CONFIG,

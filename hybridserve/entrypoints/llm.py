@@ -26,6 +26,7 @@ from hybridserve.engine import LLMEngine
 from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.tokenizer import Tokenizer
 
 Prompt = str | dict
 
@@ -141,6 +142,41 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (`encode`, `decode`, `apply_chat_template`, `eos_token_id`);
+        ValueError when the model directory has no `tokenizer.json`."""
+        if self.engine.tokenizer is None:
+            raise ValueError(
+                f"{self.engine.config.model} has no tokenizer.json: pass prompts as "
+                '{"prompt_token_ids": [...]}'
+            )
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages;
+        content a string or a list of {"type": "text", "text"} parts) or a list of them, each
+        rendered by the model's chat template (or the jinja source `chat_template`) as the
+        server renders it; outputs in conversation order (vLLM's `LLM.chat`)."""
+        batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(
+                [_flat_message(m) for m in conversation],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            for conversation in batch
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def generate_stream(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -177,3 +213,12 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _flat_message(message: dict) -> dict:
+    """A chat message with its content as one string (text parts joined by newlines)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+        message = {**message, "content": "\n".join(texts)}
+    return message

@@ -1,0 +1,51 @@
+"""`LLM.chat` and `LLM.get_tokenizer` (vLLM's library API) on the shipped default model: the
+chat prompt is the server's (the model's template, or the documented fallback), a batch of
+conversations comes back in order, and a template can be given."""
+
+from __future__ import annotations
+
+import pytest
+from engine_shapes import SERVED
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+from hybridserve.entrypoints import DEFAULT_MODEL
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+MESSAGES = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": [{"type": "text", "text": "A function that adds"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(DEFAULT_MODEL, **SERVED, progress=False)
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(llm):
+    tokenizer = llm.get_tokenizer()
+    flat = [MESSAGES[0], {"role": "user", "content": "A function that adds"}]
+    text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+    assert text == ChatTemplate.load(DEFAULT_MODEL).render(flat)  # the server's rendering
+    assert tokenizer.apply_chat_template(flat, add_generation_prompt=True) == tokenizer.encode(text)
+    want = llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0]
+    got = llm.chat(MESSAGES, GREEDY, use_tqdm=False)
+    assert len(got) == 1 and got[0].outputs[0].token_ids == want.token_ids
+    other = [{"role": "user", "content": "def main():"}]
+    both = llm.chat([MESSAGES, other], GREEDY, use_tqdm=False)
+    assert both[0].outputs[0].token_ids == want.token_ids
+    alone = llm.chat(other, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert both[1].outputs[0].token_ids == alone
+
+
+def test_chat_with_a_given_template(llm):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "x = 1"}], tokenize=False, chat_template=template
+    )
+    assert prompt == "<user>x = 1" and FALLBACK_TEMPLATE not in prompt
+    got = llm.chat([{"role": "user", "content": "x = 1"}], GREEDY, chat_template=template,
+                   use_tqdm=False)  # fmt: skip
+    want = llm.generate("<user>x = 1", GREEDY, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
