@@ -24,6 +24,7 @@ engine only calls it (admit, abort, poll, finished, release) and never sees the 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from hybridserve.config import EngineConfig
 from hybridserve.core.connector import create_connector
@@ -34,18 +35,31 @@ from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.output_processor import OutputProcessor
 from hybridserve.outputs import RequestOutput, local_prefill_output
 from hybridserve.prompt_check import prompt_token_ids
+from hybridserve.runner.compile_cache import enable_compilation_cache
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.inflight import InFlight
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
 
+WARMUP_ENV = "HYBRIDSERVE_WARMUP"  # "0": no start-up compile (the tests set it)
+
+
+def wants_warmup(config: EngineConfig) -> bool:
+    """Does an engine of `config` compile its programs at start-up by default?"""
+    return not config.enforce_eager and os.environ.get(WARMUP_ENV, "1") != "0"
+
 
 class LLMEngine:
     """Loads a model and serves many requests at once (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: bool = True, warmup: bool | None = None
+    ) -> None:
+        """`warmup`: compile every step program now (`warmup`); None: unless
+        `config.enforce_eager` or `$HYBRIDSERVE_WARMUP=0`."""
         self.config = config
+        enable_compilation_cache()
         self.runner = make_runner(
             config.model,
             dtype=config.dtype,
@@ -103,6 +117,41 @@ class LLMEngine:
             config.scheduler.async_scheduling and config.speculative is None and self.kv is None
         )
         self._flight: InFlight | None = None  # the step whose tokens are still on the device
+        if warmup is None:
+            warmup = wants_warmup(config)
+        if warmup:
+            self.warmup(progress)
+
+    def warmup(self, progress: bool = False) -> int:
+        """Compile what serving needs before the first request: every step program the
+        scheduler's budget can ask for (`runner.warmup`, with a progress bar), then batches
+        of 1, 2, 4, ... up to `max_num_seqs` short requests end to end, greedy, sampled and
+        filtered (the small programs between the steps, which depend on the batch). Programs
+        in JAX's persistent cache load instead of compiling. Returns how many step programs
+        there are."""
+        sched = self.config.scheduler
+        count = self.runner.warmup(sched.max_num_seqs, sched.max_num_batched_tokens, progress)
+        vocab, length = self.model_config.vocab_size, min(8, self.max_model_len - 2)
+        kinds = (
+            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=0),
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, ignore_eos=True, seed=0),
+        )
+        rows = 1
+        while rows <= sched.max_num_seqs:
+            for params in kinds:
+                pending = {
+                    self.add_request(
+                        [1 + (self._counter + j) % (vocab - 1)] * length,
+                        params,
+                        req_id=f"warmup-{self._counter}",
+                    )
+                    for j in range(rows)
+                }
+                while pending:
+                    pending -= {out.request_id for out in self.step() if out.finished}
+            rows *= 2
+        return count
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of a prompt, or ValueError saying what is wrong with it."""

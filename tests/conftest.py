@@ -30,6 +30,9 @@ for flag in ("--xla_force_host_platform_device_count=4", "--xla_backend_optimiza
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Engines compile their programs on first use in the tests (a start-up warmup per engine setting
+# would compile programs no test runs); tests of the warmup ask for it.
+os.environ.setdefault("HYBRIDSERVE_WARMUP", "0")
 if os.environ.get("HYBRIDSERVE_TEST_JAX_CACHE", "1") != "0":
     cache = Path(tempfile.gettempdir()) / f"hybridserve-test-jax-cache-{getpass.getuser()}"
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))

@@ -188,8 +188,9 @@ class EngineConfig:
     seed of requests whose SamplingParams carry none, and of dummy weights. `load_format`:
     "auto" reads the checkpoint, "dummy" draws random weights.
     `max_model_len`: longest prompt + output in tokens; the scheduler's `max_model_len` follows
-    it (the engine lowers both to the model's `max_position_embeddings`). Build one with
-    `from_kwargs`.
+    it (the engine lowers both to the model's `max_position_embeddings`). `enforce_eager`:
+    skip the start-up compile of every step program (they compile on first use; vLLM's flag
+    of the same name skips CUDA graph capture). Build one with `from_kwargs`.
     """
 
     model: str
@@ -198,6 +199,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     max_model_len: int = 2048
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -278,6 +280,7 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "seed": (None, "seed"),
     "load_format": (None, "load_format"),
     "max_model_len": (None, "max_model_len"),
+    "enforce_eager": (None, "enforce_eager"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),

@@ -60,6 +60,10 @@ class LLM:
           weights, activations and the cache pool, which takes the rest (GPUs only).
         kv_cache_memory: cache pool bytes per device (default: by gpu_memory_utilization on
           GPUs, 256 MiB on CPUs).
+        kv_cache_dtype: "auto" (the model dtype, or e4m3 for a checkpoint with FP8 KV scales),
+          "bfloat16", "fp8" (= "fp8_e4m3"), ...
+        enforce_eager: skip the start-up compile of every step program (they compile on
+          first use); default False: ready means compiled.
         cache: the paged cache's settings (`CacheConfig` or its fields as a dict: dtypes,
           conv layout, pool size); block_size: the least tokens per cache page.
         seed: base seed of requests whose SamplingParams carry none (and of dummy weights).

@@ -401,10 +401,10 @@ class ModelRunner:
         self.prefill_tokens[1] += sum(b.tokens.size for c, b in out if c is not decode)
         return out
 
-    def warmup(self, max_num_seqs: int, max_tokens: int) -> int:
+    def warmup(self, max_num_seqs: int, max_tokens: int, progress: bool = False) -> int:
         """Compile every program `execute` can need for steps of up to `max_num_seqs` requests
         and `max_tokens` prompt tokens (`runner.programs.warmup`); returns how many."""
-        return warmup(self, max_num_seqs, max_tokens)
+        return warmup(self, max_num_seqs, max_tokens, progress)
 
     def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
         """All-position logits [T, V] of one chunk (for checks and verification)."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from hybridserve.cache.plan import CachePlan
 from hybridserve.runner.input_batch import BatchArrays, bucket, table_width, token_buckets
@@ -64,10 +65,11 @@ def shapes(max_num_seqs: int, max_tokens: int, limits: PackLimits) -> list[tuple
     return decode + [(b, t, True) for b, t in prefill]
 
 
-def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int) -> int:
-    """Compile every program `execute` can need (and the page copy); returns how many."""
+def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int, progress: bool = False) -> int:
+    """Compile every program `execute` can need (and the page copy); returns how many.
+    `progress`: a progress bar."""
     todo = shapes(max_num_seqs, max_tokens, runner.pack_limits)
-    for b, t, packed in todo:
+    for b, t, packed in tqdm(todo, desc="compiling", unit="program", disable=not progress):
         runner.run(dummy_batch(runner, b, t, packed))
     runner.copy_pages([(0, 0)])
     jax.block_until_ready(runner.regions)

@@ -97,6 +97,13 @@ ENGINE_FLAGS = (
         "256 MiB on CPUs)",
     ),
     EngineFlag(
+        ("--enforce-eager",),
+        "enforce_eager",
+        "skip the start-up compile of every step program (default: compiled before the "
+        "server reports healthy; they then compile on first use)",
+        const=True,
+    ),
+    EngineFlag(
         ("--kv-cache-dtype",),
         "kv_cache_dtype",
         "KV cache dtype (auto: the model dtype, or e4m3 for a checkpoint with FP8 KV scales; "

@@ -94,14 +94,18 @@ def serve(
     SIGTERM/SIGINT. Logs `listening on http://HOST:PORT` once the socket is bound."""
     import asyncio
 
-    from hybridserve.engine import LLMEngine
+    from hybridserve.engine import LLMEngine, wants_warmup
     from hybridserve.server.app import build_app
     from hybridserve.server.async_engine import AsyncEngine
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = LLMEngine(engine_config, progress=False)
+    engine = LLMEngine(engine_config, progress=False, warmup=False)
+    if wants_warmup(engine_config):  # before the socket is bound: healthy means compiled
+        start = time.perf_counter()
+        count = engine.warmup(progress=True)
+        log.info("compiled %d step programs in %.1f s", count, time.perf_counter() - start)
     async_engine = AsyncEngine(engine, max_queue=max_queue)
     app = build_app(async_engine, settings)
     sock = bind(host, port)

@@ -50,6 +50,7 @@ OLD_DEFAULTS = {
     "gpu_memory_utilization": 0.9,  # since: pools sized by memory (the CPU: 256 MiB, as before)
     "kv_cache_memory": None,
     "kv_cache_dtype": "auto",
+    "enforce_eager": False,
 }
 
 # flat key -> (a non-default value, where it lands)
@@ -73,6 +74,7 @@ SAMPLES = {
     "gpu_memory_utilization": (0.5, lambda c: c.cache.gpu_memory_utilization),
     "kv_cache_memory": (2**30, lambda c: c.cache.memory_bytes),
     "kv_cache_dtype": ("fp8", lambda c: c.cache.kv_dtype),
+    "enforce_eager": (True, lambda c: c.enforce_eager),
 }
 SPEC = SpeculativeConfig(num_speculative_tokens=3)
 KV = KVTransferConfig(kv_role="kv_producer")

@@ -1,0 +1,52 @@
+"""JAX's persistent compilation cache, on by default: a second engine start (or a second engine
+in one process) loads its step programs from disk instead of compiling them again.
+
+Where: `$JAX_COMPILATION_CACHE_DIR` or jax's own setting when either is given; else
+`$HYBRIDSERVE_COMPILATION_CACHE` ("0" or "off": no cache); else a per-user directory,
+`$XDG_CACHE_HOME/hybridserve/jax` (`~/.cache/hybridserve/jax`). Every program is stored, the
+small ones between the steps too (jax's default keeps only those that compile for a second or
+more; `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` still rules where it is set).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+ENV = "HYBRIDSERVE_COMPILATION_CACHE"
+
+
+def default_dir() -> Path | None:
+    """The directory this process would use (None: the cache is off)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    chosen = os.environ.get(ENV, "")
+    if chosen.lower() in ("0", "off", "none", "false"):
+        return None
+    if chosen:
+        return Path(chosen)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hybridserve" / "jax"
+
+
+def enable_compilation_cache() -> Path | None:
+    """Point JAX's persistent cache at `default_dir()` (before the first compile); returns it.
+    A directory that cannot be created leaves the cache off, with a warning."""
+    where = default_dir()
+    if where is None or jax.config.jax_compilation_cache_dir == str(where):
+        return where
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        log.warning("compilation cache off: cannot create %s (%s)", where, err)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(where))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return where
