@@ -151,6 +151,10 @@ class LLMEngine:
                 while pending:
                     pending -= {out.request_id for out in self.step() if out.finished}
             rows *= 2
+        # the statistics start from the first real request
+        self.scheduler.coordinator.stats = type(self.scheduler.coordinator.stats)()
+        self.scheduler.num_preemptions = 0
+        self.runner.prefill_tokens = [0, 0]
         return count
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
