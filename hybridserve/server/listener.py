@@ -113,11 +113,29 @@ def protocol_for(limits: HTTPLimits) -> type[GuardedH11Protocol]:
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
 
 
+class QuietProbes(logging.Filter):
+    """Access-log lines of health checks and metrics scrapes (`PROBE_PATHS`) only at debug
+    level: a load balancer's probe every few seconds would bury the requests."""
+
+    PROBE_PATHS = ("/health", "/metrics")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3:
+            path = str(args[2]).split("?", 1)[0]
+            if path in self.PROBE_PATHS:
+                return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def uvicorn_config(
     app: Any, limits: HTTPLimits, log_level: str, graceful_s: float, **kwargs: Any
 ) -> uvicorn.Config:
     """uvicorn settings shared by the server and the proxy (`graceful_s`: how long uvicorn's
-    own shutdown waits for open connections)."""
+    own shutdown waits for open connections); probes are logged at debug level only."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietProbes) for f in access.filters):
+        access.addFilter(QuietProbes())
     return uvicorn.Config(
         app,
         http=protocol_for(limits),

@@ -147,6 +147,8 @@ def run_proxy(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if log_level.lower() != "debug":  # httpx logs every upstream call (health checks too)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     limits = limits or HTTPLimits()
     state = proxy_state(
         prefill, decode, timeout_s, api_key, upstream_api_key, limits, max_body_bytes

@@ -35,3 +35,25 @@ def test_the_engine_never_imports_the_server():
             offenders += [f"{rel}: {n}" for n in names if n.startswith("hybridserve.server")]
             offenders += [f"{rel}: {n}" for n in names if n.split(".")[0] in ("fastapi", "uvicorn")]
     assert not offenders, offenders
+
+
+def test_probes_are_logged_at_debug_level_only():
+    """uvicorn's access lines of /health and /metrics pass only when debug is on; others pass."""
+    import logging
+
+    from hybridserve.server.listener import QuietProbes
+
+    def record(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "%s %s %s", args, None)
+
+    quiet, logger = QuietProbes(), logging.getLogger("uvicorn.access")
+    level = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        assert not quiet.filter(record("/health")) and not quiet.filter(record("/metrics?x=1"))
+        assert quiet.filter(record("/v1/completions"))
+        logger.setLevel(logging.DEBUG)
+        assert quiet.filter(record("/health"))
+    finally:
+        logger.setLevel(level)
