@@ -1,4 +1,4 @@
-"""`hybridserve generate | serve | proxy | convert`: the command line.
+"""`hybridserve generate | serve | proxy | convert | bench serve`: the command line.
 
 The CLI is the composition root: it may dispatch to the `checkpoints` tooling package, which
 nothing else in the engine imports.
@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from hybridserve.bench.serve import add_parser as add_bench_serve
 from hybridserve.entrypoints import DEFAULT_MODEL
 from hybridserve.server.flags import (
     SERVE_ENGINE_FLAGS,
@@ -261,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(srv)
     srv.set_defaults(func=_serve)
     add_proxy_parser(sub)
+    bench = sub.add_parser(
+        "bench",
+        allow_abbrev=False,
+        help="benchmark a running server (bench serve)",
+        description="Benchmarks against a running OpenAI-compatible server.",
+    )
+    add_bench_serve(bench.add_subparsers(dest="bench_command", required=True))
     conv = sub.add_parser(
         "convert",
         allow_abbrev=False,

@@ -45,6 +45,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "hybridserve.tokenizer": ("hybridserve.chat_template",),
     "hybridserve.chat_template": (),
     "hybridserve.prompt_check": (),
+    "hybridserve.bench": (),  # talks HTTP to any server: nothing of the engine
     "hybridserve.output_processor": ("hybridserve.core", *LEAVES),
     "hybridserve.cache": CONFIG,
     **{m: (*CONFIG, *PURE_CACHE) for m in PURE_CACHE},  # no device views under the arithmetic
@@ -77,6 +78,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "hybridserve.entrypoints",
         "hybridserve.server",
         "hybridserve.sampling_params",
+        "hybridserve.bench",
         "checkpoints",  # the composition root: it alone dispatches to the converter
     ),
     "checkpoints": (*MODEL, "hybridserve.weights", "hybridserve.runner"),

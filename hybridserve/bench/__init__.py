@@ -1,0 +1,1 @@
+"""`hybridserve bench`: load generators for any OpenAI-compatible server (`serve`)."""
