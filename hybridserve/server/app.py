@@ -106,7 +106,7 @@ def build_app(
     thread and, on shutdown, drains and stops it)."""
     core = engine.engine
     model_dir = Path(core.config.model)
-    metrics = ServerMetrics(engine.stats, lambda: engine.dead is None)
+    metrics = ServerMetrics(engine.stats, lambda: engine.dead is None, settings.model_names[0])
     serving = OpenAIServing(
         engine,
         core.tokenizer,

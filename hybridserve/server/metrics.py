@@ -1,9 +1,22 @@
 """Prometheus metrics of one server (`GET /metrics`), in a registry of its own.
 
-Measured by the server: HTTP requests by endpoint and status, finished requests by finish
-reason, time to first token, inter-token latency and end-to-end latency (histograms, seconds
-from the request's arrival), prompt and generated tokens (counters: tokens/s is
-`rate(hybridserve_generation_tokens_total[1m])`).
+Names and labels follow vLLM's under our prefix, `hybridserve:` for `vllm:`, so its dashboards
+and alerts work with that one substitution; every series carries `model_name` (the first
+served name), and no `_created` series are exported. The mapping (vLLM name -> ours):
+
+    vllm:num_requests_running / _waiting   hybridserve:num_requests_running / _waiting
+    vllm:kv_cache_usage_perc               hybridserve:kv_cache_usage_perc (0-1)
+    vllm:prefix_cache_queries / _hits      hybridserve:prefix_cache_queries / _hits (tokens)
+    vllm:num_preemptions                   hybridserve:num_preemptions
+    vllm:prompt_tokens / generation_tokens hybridserve:prompt_tokens / generation_tokens
+    vllm:request_success{finished_reason}  hybridserve:request_success{finished_reason}
+    vllm:time_to_first_token_seconds       hybridserve:time_to_first_token_seconds
+    vllm:inter_token_latency_seconds       hybridserve:inter_token_latency_seconds
+    vllm:e2e_request_latency_seconds       hybridserve:e2e_request_latency_seconds
+
+(counters end in `_total` in the exposition, as vLLM's do). Ours beside them: HTTP requests by
+endpoint and status, the queue, cache pages, the prefix-cache hit rate, packed-prefill slots
+and P/D transfer figures. Tokens/s is `rate(hybridserve:generation_tokens_total[1m])`.
 
 Read from the engine's latest statistics at scrape time (`AsyncEngine.stats()`): queue depth,
 running and waiting requests, cache usage and pages, prefix-cache hit rate and tokens,
@@ -16,8 +29,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+disable_created_metrics()  # no `_created` series (process-wide in prometheus_client)
+PREFIX = "hybridserve:"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -30,7 +52,7 @@ _GAUGES = (
     ("max_queue", "max_queue", "Most requests admitted at once (--max-queue)"),
     ("num_running", "num_requests_running", "Requests running in the engine"),
     ("num_waiting", "num_requests_waiting", "Requests waiting in the engine"),
-    ("cache_usage", "cache_usage", "Fraction of cache pages in use (0-1)"),
+    ("cache_usage", "kv_cache_usage_perc", "Fraction of cache pages in use (0-1)"),
     ("num_pages_used", "cache_pages_used", "Cache pages referenced by requests"),
     ("num_pages_total", "cache_pages_total", "Usable cache pages"),
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served from the cache"),
@@ -38,9 +60,9 @@ _GAUGES = (
     ("transfer_gbps", "kv_transfer_gbps", "KV transfer rate over the last 10 s (GB/s)"),
 )
 _COUNTERS = (
-    ("prefix_cache_queried_tokens", "prefix_cache_queried_tokens", "Prompt tokens looked up"),
-    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens found in the cache"),
-    ("num_preemptions", "preemptions", "Requests preempted for lack of pages"),
+    ("prefix_cache_queried_tokens", "prefix_cache_queries", "Prompt tokens looked up"),
+    ("prefix_cache_hit_tokens", "prefix_cache_hits", "Prompt tokens found in the cache"),
+    ("num_preemptions", "num_preemptions", "Requests preempted for lack of pages"),
     ("prefill_tokens", "prefill_tokens", "Prompt tokens computed by prefill programs"),
     ("prefill_tokens_padded", "prefill_tokens_padded", "Their program slots, padding included"),
     ("transfer_bytes", "kv_transfer_bytes", "KV cache and state bytes transferred"),
@@ -51,66 +73,70 @@ _COUNTERS = (
 class _EngineCollector:
     """Turns the latest engine statistics into metric families at each scrape."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], alive: Callable[[], bool]) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, Any]], alive: Callable[[], bool], model: str
+    ) -> None:
         self._stats = stats
         self._alive = alive
+        self._model = model
+
+    def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
+        family = kind(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for key, name, doc in _GAUGES:
             if key in stats:
-                yield GaugeMetricFamily(f"hybridserve_{name}", doc, value=float(stats[key]))
+                yield self._family(GaugeMetricFamily, name, doc, float(stats[key]))
         for key, name, doc in _COUNTERS:
             if key in stats:
-                yield CounterMetricFamily(f"hybridserve_{name}", doc, value=float(stats[key]))
-        yield GaugeMetricFamily(
-            "hybridserve_engine_alive", "1 while the engine loop runs", value=float(self._alive())
-        )
+                yield self._family(CounterMetricFamily, name, doc, float(stats[key]))
+        alive = float(self._alive())
+        yield self._family(GaugeMetricFamily, "engine_alive", "1 while the engine loop runs", alive)
 
 
 class ServerMetrics:
     """The server's metrics (see the module docstring)."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], alive: Callable[[], bool]) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        alive: Callable[[], bool],
+        model: str = "default",
+    ) -> None:
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
         self.http_requests = Counter(
-            "hybridserve_http_requests",
+            PREFIX + "http_requests",
             "HTTP requests by endpoint and response status",
-            ["endpoint", "status"],
+            [*m, "endpoint", "status"],
             registry=r,
         )
         self.finished = Counter(
-            "hybridserve_requests_finished",
+            PREFIX + "request_success",
             "Generation requests by finish reason (stop, length, abort, timeout, error)",
-            ["finish_reason"],
+            [*m, "finished_reason"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "hybridserve_time_to_first_token_seconds",
-            "Arrival to first generated token",
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "hybridserve_inter_token_latency_seconds",
-            "Time between generated tokens",
-            buckets=_TOKEN_GAP,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "hybridserve_e2e_request_latency_seconds",
-            "Arrival to the end of the request",
-            buckets=_LATENCY,
-            registry=r,
+        hist = [
+            ("time_to_first_token_seconds", "Arrival to first generated token", _LATENCY),
+            ("inter_token_latency_seconds", "Time between generated tokens", _TOKEN_GAP),
+            ("e2e_request_latency_seconds", "Arrival to the end of the request", _LATENCY),
+        ]
+        self.ttft, self.itl, self.e2e = (
+            Histogram(PREFIX + name, doc, m, buckets=b, registry=r).labels(model)
+            for name, doc, b in hist
         )
         self.prompt_tokens = Counter(
-            "hybridserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
-        )
+            PREFIX + "prompt_tokens", "Prompt tokens of admitted requests", m, registry=r
+        ).labels(model)
         self.generation_tokens = Counter(
-            "hybridserve_generation_tokens", "Generated tokens", registry=r
-        )
-        r.register(_EngineCollector(stats, alive))
+            PREFIX + "generation_tokens", "Generated tokens", m, registry=r
+        ).labels(model)
+        self.model = model
+        r.register(_EngineCollector(stats, alive, model))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -155,4 +181,4 @@ class CountRequests:
                 status = 499 if left else 500
             path = scope.get("path", "")
             endpoint = path if path in self.endpoints else "other"
-            self.metrics.http_requests.labels(endpoint, str(status)).inc()
+            self.metrics.http_requests.labels(self.metrics.model, endpoint, str(status)).inc()

@@ -97,7 +97,7 @@ class _Track:
         self.closed = True
         reason = self.reason or reason
         now = time.perf_counter()
-        self.metrics.finished.labels(reason).inc()
+        self.metrics.finished.labels(self.metrics.model, reason).inc()
         self.metrics.e2e.observe(now - self.arrival)
         ttft = "-" if self.first is None else f"{1000 * (self.first - self.arrival):.1f}ms"
         log.info(

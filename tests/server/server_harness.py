@@ -81,10 +81,12 @@ class ServerProcess:
         return httpx.get(self.url + "/v1/stats", timeout=10).json()
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
-        """Samples of /metrics: (name, sorted label items) -> value."""
+        """Samples of /metrics: (name, sorted label items but model_name) -> value."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): (
+                s.value
+            )
             for family in text_string_to_metric_families(text)
             for s in family.samples
         }

@@ -68,7 +68,8 @@ def test_the_server_needs_the_key_on_every_route_but_health():
     assert health.status_code == 503 and health.json() == {"status": "shutting down"}
     assert models.status_code == 200 and lower.status_code == 200
     metrics = _requests(app, [("GET", "/metrics", good)])[0].text
-    assert 'hybridserve_http_requests_total{endpoint="/v1/models",status="401"} 5.0' in metrics
+    labels = 'endpoint="/v1/models",model_name="default",status="401"'
+    assert f"hybridserve:http_requests_total{{{labels}}} 5.0" in metrics
 
 
 def test_the_server_without_a_key_needs_none():

@@ -19,7 +19,7 @@ from hybridserve.server.proxy import ProxyState, build_proxy
 MB = 1 << 20
 FAST = HTTPLimits(header_timeout_s=0.5, body_timeout_s=0.5)
 COMPLETIONS = "/v1/completions"
-REQUESTS = "hybridserve_http_requests_total"
+REQUESTS = "hybridserve:http_requests_total"
 
 
 @pytest.fixture(scope="module")

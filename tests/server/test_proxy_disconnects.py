@@ -86,8 +86,8 @@ def test_the_decode_server_aborts_when_the_proxys_client_leaves(server):
         assert wait_until(lambda: up.released == RELEASED, 10), up.released
     assert server.idle(timeout=30), server.stats()
     after = server.metrics()
-    finished = "hybridserve_requests_finished_total"
-    aborted = counter(after, finished, finish_reason="abort")
-    assert aborted - counter(before, finished, finish_reason="abort") == 1
-    generated = "hybridserve_generation_tokens_total"
+    finished = "hybridserve:request_success_total"
+    aborted = counter(after, finished, finished_reason="abort")
+    assert aborted - counter(before, finished, finished_reason="abort") == 1
+    generated = "hybridserve:generation_tokens_total"
     assert counter(after, generated) - counter(before, generated) < 240

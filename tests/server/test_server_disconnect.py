@@ -25,13 +25,13 @@ def test_streamed_request_is_aborted_when_the_client_leaves(server):
                     break  # leaving the iterator closes the connection
     assert server.idle(timeout=30), server.stats()
     after = server.metrics()
-    finished = "hybridserve_requests_finished_total"
+    finished = "hybridserve:request_success_total"
     assert (
-        counter(after, finished, finish_reason="abort")
-        - counter(before, finished, finish_reason="abort")
+        counter(after, finished, finished_reason="abort")
+        - counter(before, finished, finished_reason="abort")
         == 1
     )
-    generated = "hybridserve_generation_tokens_total"
+    generated = "hybridserve:generation_tokens_total"
     assert 1 <= counter(after, generated) - counter(before, generated) < 240
 
 
@@ -41,7 +41,7 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(server):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=0.5)
     assert server.idle(timeout=30), server.stats()
     after = server.metrics()
-    key = ("hybridserve_http_requests_total", "/v1/completions", "499")
+    key = ("hybridserve:http_requests_total", "/v1/completions", "499")
     status = counter(after, key[0], endpoint=key[1], status=key[2])
     assert status - counter(before, key[0], endpoint=key[1], status=key[2]) == 1
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "a"}).status_code == 200
@@ -111,20 +111,20 @@ def test_load_with_early_disconnects(server):
     left = sum(r["left"] for r in results)
     completed = [r for r in results if not r["left"]]
     assert 0 < left < num_requests
-    requests = "hybridserve_http_requests_total"
+    requests = "hybridserve:http_requests_total"
     chat = sum(r["path"] == "/v1/chat/completions" for r in completed)
     assert delta(requests, endpoint="/v1/chat/completions", status="200") == chat
     assert delta(requests, endpoint="/v1/completions", status="200") == num_requests - chat
-    finished = "hybridserve_requests_finished_total"
+    finished = "hybridserve:request_success_total"
     # a leaving client's request is aborted, unless its 240 tokens were all generated before
     # the server saw the disconnect (a loaded host: seen once in a cold CI run); most are aborted
-    aborted = delta(finished, finish_reason="abort")
-    assert delta(finished, finish_reason="length") == len(completed) + left - aborted
+    aborted = delta(finished, finished_reason="abort")
+    assert delta(finished, finished_reason="length") == len(completed) + left - aborted
     assert left / 2 < aborted <= left
     for status in ("429", "500", "503"):
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
             assert delta(requests, endpoint=endpoint, status=status) == 0
     tokens = sum(r["tokens"] for r in completed)
-    generated = delta("hybridserve_generation_tokens_total")
+    generated = delta("hybridserve:generation_tokens_total")
     assert tokens + left <= generated <= tokens + 240 * left
-    assert delta("hybridserve_e2e_request_latency_seconds_count") == num_requests
+    assert delta("hybridserve:e2e_request_latency_seconds_count") == num_requests

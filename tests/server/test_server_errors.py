@@ -169,7 +169,7 @@ def test_errors_are_counted_and_nothing_leaks(server):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         httpx.post(server.url + path, content=data, timeout=30)
     after = server.metrics()
-    key = ("hybridserve_http_requests_total", (("endpoint", COMPLETIONS), ("status", "400")))
+    key = ("hybridserve:http_requests_total", (("endpoint", COMPLETIONS), ("status", "400")))
     assert after[key] - before.get(key, 0) == 10
     assert server.idle()
 

@@ -57,9 +57,9 @@ def test_slow_json_request_gets_504(limited):
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 10
     assert limited.idle(timeout=30), limited.stats()
     after = limited.metrics()
-    finished = "hybridserve_requests_finished_total"
-    timeouts = counter(after, finished, finish_reason="timeout")
-    assert timeouts - counter(before, finished, finish_reason="timeout") == 1
+    finished = "hybridserve:request_success_total"
+    timeouts = counter(after, finished, finished_reason="timeout")
+    assert timeouts - counter(before, finished, finished_reason="timeout") == 1
 
 
 def test_slow_stream_ends_with_finish_reason_abort(limited):

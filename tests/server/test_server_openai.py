@@ -188,18 +188,24 @@ def test_models_health_stats_metrics(server):
     assert stats["num_pages_total"] > 0 and stats["max_queue"] == 64
     text = httpx.get(server.url + "/metrics").text
     for name in (
-        "hybridserve_http_requests_total",
-        "hybridserve_time_to_first_token_seconds_bucket",
-        "hybridserve_inter_token_latency_seconds_bucket",
-        "hybridserve_generation_tokens_total",
-        "hybridserve_prompt_tokens_total",
-        "hybridserve_queue_depth",
-        "hybridserve_num_requests_running",
-        "hybridserve_num_requests_waiting",
-        "hybridserve_cache_usage",
-        "hybridserve_prefix_cache_hit_rate",
+        "hybridserve:http_requests_total",
+        "hybridserve:time_to_first_token_seconds_bucket",
+        "hybridserve:inter_token_latency_seconds_bucket",
+        "hybridserve:generation_tokens_total",
+        "hybridserve:prompt_tokens_total",
+        "hybridserve:queue_depth",
+        "hybridserve:num_requests_running",
+        "hybridserve:num_requests_waiting",
+        "hybridserve:kv_cache_usage_perc",
+        "hybridserve:prefix_cache_hit_rate",
+        "hybridserve:prefix_cache_queries_total",
+        "hybridserve:request_success_total",
     ):
         assert name in text, name
+    # vLLM's names under our prefix, each series labelled with the served model, no _created
+    series = [line for line in text.splitlines() if line.startswith("hybridserve:")]
+    assert series and all('model_name="default"' in line for line in series)
+    assert "_created" not in text
 
 
 def test_metrics_count_what_was_sent(server):
@@ -214,14 +220,14 @@ def test_metrics_count_what_was_sent(server):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    requests = "hybridserve_http_requests_total"
+    requests = "hybridserve:http_requests_total"
     assert delta(requests, endpoint="/v1/completions", status="200") == 3
     assert delta(requests, endpoint="/v1/completions", status="400") == 1
-    assert delta("hybridserve_requests_finished_total", finish_reason="length") == 3
-    assert delta("hybridserve_generation_tokens_total") == 15
-    assert delta("hybridserve_time_to_first_token_seconds_count") == 3
-    assert delta("hybridserve_inter_token_latency_seconds_count") == 12
-    assert delta("hybridserve_e2e_request_latency_seconds_count") == 3
+    assert delta("hybridserve:request_success_total", finished_reason="length") == 3
+    assert delta("hybridserve:generation_tokens_total") == 15
+    assert delta("hybridserve:time_to_first_token_seconds_count") == 3
+    assert delta("hybridserve:inter_token_latency_seconds_count") == 12
+    assert delta("hybridserve:e2e_request_latency_seconds_count") == 3
 
 
 def test_openai_client_with_penalties_and_extra_body(server, offline):
