@@ -192,6 +192,11 @@ class LLMEngine:
         decode engine. `mm`: the embeddings of a prompt from `prepare_multimodal` (whose
         expanded ids are `prompt`)."""
         ids = self.validate(prompt, params)
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: the engine takes one completion per request (LLM.generate "
+                "fans n out into n requests)"
+            )
         if params.penalized and self.runner.spec is not None:
             raise ValueError("penalties are not supported with speculative decoding yet")
         if mm is not None and (not mm.positions or mm.positions[-1] >= len(ids)):

@@ -14,7 +14,8 @@ class SamplingParams:
     `min_tokens`), at any of `stop_token_ids`, or when the text contains one of the `stop`
     strings (which is cut off). `logprobs=n` returns, per generated token, its log-probability
     and the n most likely tokens' (of the model's distribution, before penalties and filters).
-    `seed` makes sampling reproducible per request.
+    `seed` makes sampling reproducible per request. `n` > 1 (`LLM.generate`) samples n
+    completions of the prompt, the i-th with seed `seed + i` when a seed is given.
 
     Penalties (vLLM's and OpenAI's meanings), applied to the logits l of each step before the
     temperature, with c(t) the times token t was generated so far:
@@ -72,7 +73,7 @@ class SamplingParams:
                 0 <= self.min_tokens <= self.max_tokens,
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
             ),
-            (self.n == 1, f"n > 1 is not supported yet, got n={self.n}"),
+            (1 <= self.n <= 128, f"n must be in [1, 128], got {self.n}"),
             (
                 -2 <= self.presence_penalty <= 2,
                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",

@@ -14,6 +14,7 @@ Models with encoders (Inkling) take images and audio next to the prompt's placeh
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -96,7 +97,9 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> list[str]:
+    ) -> list[list[str]]:
+        """Validate every prompt, then queue them; per prompt, the req_ids of its `n`
+        completions (the i-th with seed `seed + i` when the params have a seed)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -119,10 +122,15 @@ class LLM:
                     prompt, mm = self.engine.prepare_multimodal(prompt, data)
             self.engine.validate(prompt, p)  # all or nothing: check every prompt first
             unpacked.append((prompt, p, kv, mm))
-        return [
-            self.engine.add_request(prompt, p, kv_transfer_params=kv, mm=mm)
-            for prompt, p, kv, mm in unpacked
-        ]
+        groups = []
+        for prompt, p, kv, mm in unpacked:
+            group = []
+            for i in range(p.n):
+                seed = None if p.seed is None else p.seed + i
+                one = p if p.n == 1 else dataclasses.replace(p, n=1, seed=seed)
+                group.append(self.engine.add_request(prompt, one, kv_transfer_params=kv, mm=mm))
+            groups.append(group)
+        return groups
 
     def generate(
         self,
@@ -133,10 +141,11 @@ class LLM:
         """Generate for each prompt (a string, `{"prompt_token_ids": [...]}` or `{"prompt":
         "..."}`, either dict with an optional `"multi_modal_data"`); outputs come back in
         prompt order."""
-        ids = self._add(prompts, sampling_params)
+        groups = self._add(prompts, sampling_params)
+        total = sum(map(len, groups))
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while len(done) < len(ids):
+        with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < total:
                 outs = self.engine.step()
                 if not outs:
                     time.sleep(0.0005)  # waiting for transfers
@@ -144,7 +153,7 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        return [_merged([done[i] for i in group]) for group in groups]
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (`encode`, `decode`, `apply_chat_template`, `eos_token_id`);
@@ -189,7 +198,12 @@ class LLM:
         """Like `generate`, but yields a `RequestOutput` each time a request gets a token
         (`new_token_ids` holds the tokens since its previous update). Closing the generator
         early aborts the requests still running."""
-        ids = self._add(prompts, sampling_params)
+        groups = self._add(prompts, sampling_params)
+        if any(len(group) > 1 for group in groups):
+            for req_id in (i for group in groups for i in group):
+                self.engine.abort_request(req_id)
+            raise ValueError("n > 1 is not supported by generate_stream: use generate")
+        ids = [group[0] for group in groups]
         pending = set(ids)
         try:
             while pending:
@@ -226,3 +240,13 @@ def _flat_message(message: dict) -> dict:
         texts = [part.get("text", "") for part in content if isinstance(part, dict)]
         message = {**message, "content": "\n".join(texts)}
     return message
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """The n completions of one prompt as one output (vLLM's shape): the first request's id,
+    prompt and metrics, `outputs[i].index == i`."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outputs)]
+    return dataclasses.replace(first, outputs=completions)

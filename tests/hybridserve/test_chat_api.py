@@ -49,3 +49,23 @@ def test_chat_with_a_given_template(llm):
                    use_tqdm=False)  # fmt: skip
     want = llm.generate("<user>x = 1", GREEDY, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_n_completions_per_prompt(llm):
+    """`n` > 1: one output per prompt holding n completions; the i-th is the n = 1 request
+    with seed + i (so completion 0 is what the plain request gives)."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5, n=3)
+    outs = llm.generate(["def ", "class "], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    for prompt, out in zip(["def ", "class "], outs, strict=True):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for i, c in enumerate(out.outputs):
+            one = SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i)
+            want = llm.generate(prompt, one, use_tqdm=False)[0].outputs[0]
+            assert c.token_ids == want.token_ids
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "weak test: all alike"
+    with pytest.raises(ValueError, match="generate_stream"):
+        next(llm.generate_stream("def ", params))
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="one completion per request"):
+        llm.engine.add_request("def ", params)
