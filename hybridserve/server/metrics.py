@@ -26,6 +26,8 @@ instance, KV transfer bytes, failures, GB/s and held requests.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,8 +40,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from hybridserve.outputs import RequestOutput
+
 disable_created_metrics()  # no `_created` series (process-wide in prometheus_client)
 PREFIX = "hybridserve:"
+log = logging.getLogger("hybridserve.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -182,3 +187,53 @@ class CountRequests:
             path = scope.get("path", "")
             endpoint = path if path in self.endpoints else "other"
             self.metrics.http_requests.labels(self.metrics.model, endpoint, str(status)).inc()
+
+
+class RequestTrack:
+    """One request's metrics (TTFT, inter-token gaps, tokens, its finish reason and end to
+    end latency) and its log line."""
+
+    def __init__(self, metrics: ServerMetrics, req_id: str, arrival: float) -> None:
+        self.metrics = metrics
+        self.req_id = req_id
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last = arrival
+        self.tokens = 0
+        self.prompt_tokens = 0
+        self.reason: str | None = None
+        self.closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        n = len(out.new_token_ids)
+        if n:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe((now - self.last) / n)
+            self.last = now
+            self.tokens += n
+            self.metrics.generation_tokens.inc(n)
+        if out.finished:
+            self.reason = out.outputs[0].finish_reason
+
+    def done(self, reason: str = "abort") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        reason = self.reason or reason
+        now = time.perf_counter()
+        self.metrics.finished.labels(self.metrics.model, reason).inc()
+        self.metrics.e2e.observe(now - self.arrival)
+        ttft = "-" if self.first is None else f"{1000 * (self.first - self.arrival):.1f}ms"
+        log.info(
+            "%s prompt_tokens=%d completion_tokens=%d finish=%s ttft=%s e2e=%.1fms",
+            self.req_id,
+            self.prompt_tokens,
+            self.tokens,
+            reason,
+            ttft,
+            1000 * (now - self.arrival),
+        )

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
+MAX_BATCH = 64  # prompts in one completions request
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -123,8 +124,8 @@ class ReleaseRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a list holding
-    exactly one of those (batches of several prompts are refused)."""
+    """`POST /v1/completions`. `prompt`: a string, a list of token ids, or a batch: a list of
+    those (each prompt gets `n` choices, indexed prompt by prompt)."""
 
     prompt: Any
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -134,20 +135,23 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
+    def _prompts(cls, prompt: Any) -> str | list[int] | list[str | list[int]]:
+        if _one_prompt(prompt):
             return prompt
-        if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-            raise ValueError(
-                f"a batch of {len(prompt)} prompts is not supported: send one prompt per request"
-            )
-        raise ValueError("prompt must be a string or a list of token ids (integers)")
+        if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
+            if len(prompt) > MAX_BATCH:
+                raise ValueError(f"a batch of {len(prompt)} prompts: at most {MAX_BATCH}")
+            return prompt[0] if len(prompt) == 1 else prompt
+        raise ValueError(
+            "prompt must be a string, a list of token ids (integers), or a list of those"
+        )
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request (one unless it is a batch)."""
+        if isinstance(self.prompt, list) and self.prompt and not _is_ids(self.prompt):
+            return list(self.prompt)
+        return [self.prompt]
 
     @field_validator("echo")
     @classmethod
@@ -163,6 +167,17 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         return _neutral(value, (None,), "suffix")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _one_prompt(value: Any) -> bool:
+    """Is `value` one prompt: a string or a list of token ids?"""
+    return isinstance(value, str) or (_is_ids(value) and bool(value) or value == [])
 
 
 class ContentPart(_Strict):

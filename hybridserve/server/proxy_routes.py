@@ -79,6 +79,16 @@ async def handle(state: ProxyState, request: Request, path: str) -> Response:
         body = await read_json(request, state.max_body_bytes, state.body_timeout_s)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
+        prompt = body.get("prompt")
+        if body.get("n", 1) != 1 or (
+            isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+        ):
+            raise APIError(
+                400,
+                "several choices (n > 1 or a batch of prompts) do not run disaggregated: send "
+                "one request per choice",
+                param="n" if body.get("n", 1) != 1 else "prompt",
+            )
         state.require("decode")
         return await _watched(request, _two_legs(state, body, path, legs))
     except APIError as err:

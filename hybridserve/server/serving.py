@@ -40,7 +40,7 @@ from hybridserve.server.async_engine import (
 from hybridserve.server.chat import ChatTemplate, ChatTemplateError
 from hybridserve.server.errors import APIError
 from hybridserve.server.formatting import ResponseFormat
-from hybridserve.server.metrics import ServerMetrics
+from hybridserve.server.metrics import RequestTrack, ServerMetrics
 from hybridserve.tokenizer import Tokenizer
 
 log = logging.getLogger("hybridserve.server")
@@ -60,55 +60,6 @@ class ServingSettings:
 def _sse(body: BaseModel) -> str:
     """One server-sent event."""
     return f"data: {body.model_dump_json()}\n\n"
-
-
-class _Track:
-    """Metrics and the log line of one request."""
-
-    def __init__(self, metrics: ServerMetrics, req_id: str, arrival: float) -> None:
-        self.metrics = metrics
-        self.req_id = req_id
-        self.arrival = arrival
-        self.first: float | None = None
-        self.last = arrival
-        self.tokens = 0
-        self.prompt_tokens = 0
-        self.reason: str | None = None
-        self.closed = False
-
-    def observe(self, out: RequestOutput) -> None:
-        n = len(out.new_token_ids)
-        if n:
-            now = time.perf_counter()
-            if self.first is None:
-                self.first = now
-                self.metrics.ttft.observe(now - self.arrival)
-            else:
-                self.metrics.itl.observe((now - self.last) / n)
-            self.last = now
-            self.tokens += n
-            self.metrics.generation_tokens.inc(n)
-        if out.finished:
-            self.reason = out.outputs[0].finish_reason
-
-    def done(self, reason: str = "abort") -> None:
-        if self.closed:
-            return
-        self.closed = True
-        reason = self.reason or reason
-        now = time.perf_counter()
-        self.metrics.finished.labels(self.metrics.model, reason).inc()
-        self.metrics.e2e.observe(now - self.arrival)
-        ttft = "-" if self.first is None else f"{1000 * (self.first - self.arrival):.1f}ms"
-        log.info(
-            "%s prompt_tokens=%d completion_tokens=%d finish=%s ttft=%s e2e=%.1fms",
-            self.req_id,
-            self.prompt_tokens,
-            self.tokens,
-            reason,
-            ttft,
-            1000 * (now - self.arrival),
-        )
 
 
 class OpenAIServing:
@@ -181,8 +132,6 @@ class OpenAIServing:
         self, req: P._SamplingRequest, n_prompt: int, max_tokens: int | None, default: int
     ) -> SamplingParams:
         s = self.settings
-        if req.n != 1:
-            raise APIError(400, f"n={req.n} is not supported: only n=1", param="n")
         room = s.max_model_len - n_prompt
         if max_tokens is None:
             max_tokens = min(default, room)
@@ -226,11 +175,15 @@ class OpenAIServing:
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         model = self.model_name(req.model)
-        prompt = req.prompt
-        ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids, "prompt")
-        params = self._params(req, len(ids), req.max_tokens, default=16)
-        return await self._serve(req, ids, params, model, "cmpl", arrival, request)
+        prompts, params = [], []
+        for prompt in req.prompts:
+            ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            self._check_prompt(ids, "prompt")
+            prompts.append(ids)
+            params.append(self._params(req, len(ids), req.max_tokens, default=16))
+        if len(prompts) == 1 and req.n == 1:
+            return await self._serve(req, prompts[0], params[0], model, "cmpl", arrival, request)
+        return await self._serve_choices(req, prompts, params, model, "cmpl", arrival, request)
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -244,18 +197,20 @@ class OpenAIServing:
         self._check_prompt(ids, "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._params(req, len(ids), max_tokens, default=self.settings.max_model_len)
-        return await self._serve(req, ids, params, model, "chatcmpl", arrival, request)
+        if req.n == 1:
+            return await self._serve(req, ids, params, model, "chatcmpl", arrival, request)
+        return await self._serve_choices(req, [ids], [params], model, "chatcmpl", arrival, request)
 
-    async def _serve(
+    async def _start(
         self,
         req: P.CompletionRequest | P.ChatCompletionRequest,
         ids: list[int],
         params: SamplingParams,
-        model: str,
         prefix: str,
         arrival: float,
-        request: Request,
-    ) -> Response:
+    ) -> tuple[str, RequestStream, RequestTrack]:
+        """Admit one engine request: (req_id, its stream, its metrics tracker); the engine's
+        refusals as API errors."""
         req_id = P.new_id(prefix)
         kv = (
             req.kv_transfer_params.model_dump(exclude_none=True) if req.kv_transfer_params else None
@@ -278,9 +233,22 @@ class OpenAIServing:
             raise APIError(403, str(err), "permission_error", code="forbidden") from err
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        track = _Track(self.metrics, req_id, arrival)
+        track = RequestTrack(self.metrics, req_id, arrival)
         track.prompt_tokens = len(ids)
         self.metrics.prompt_tokens.inc(len(ids))
+        return req_id, stream, track
+
+    async def _serve(
+        self,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        ids: list[int],
+        params: SamplingParams,
+        model: str,
+        prefix: str,
+        arrival: float,
+        request: Request,
+    ) -> Response:
+        req_id, stream, track = await self._start(req, ids, params, prefix, arrival)
         fmt = ResponseFormat(req, req_id, model, self.tokenizer, ids)
         if req.stream:
             events = self._events(stream, track, fmt)
@@ -298,8 +266,62 @@ class OpenAIServing:
             return Response(status_code=499)
         return JSONResponse(fmt.full(final).model_dump(), headers={"X-Request-Id": req_id})
 
+    async def _serve_choices(
+        self,
+        req: P.CompletionRequest | P.ChatCompletionRequest,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        model: str,
+        prefix: str,
+        arrival: float,
+        request: Request,
+    ) -> Response:
+        """Several choices (a batch of prompts, or `n` > 1): one engine request each (the
+        j-th of a prompt with seed + j when a seed is given), run together and answered as
+        one response, choices indexed prompt by prompt, usage summed. Not streamed."""
+        if req.stream:
+            raise APIError(
+                400,
+                "streaming several choices (n > 1 or a batch of prompts) is not supported: "
+                "send stream=false, or one request per choice",
+                param="n" if req.n > 1 else "prompt",
+            )
+
+        async def one(ids: list[int], p: SamplingParams, j: int) -> dict | None:
+            if j and p.seed is not None:
+                p = dataclasses.replace(p, seed=p.seed + j)
+            req_id, stream, track = await self._start(req, ids, p, prefix, arrival)
+            final = await self._collect(stream, track, request)
+            fmt = ResponseFormat(req, req_id, model, self.tokenizer, ids)
+            return None if final is None else fmt.full(final).model_dump()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(one(ids, p, j))
+                    for ids, p in zip(prompts, params, strict=True)
+                    for j in range(req.n)
+                ]
+        except* APIError as errors:
+            raise errors.exceptions[0] from None
+        parts = [t.result() for t in tasks]
+        if any(part is None for part in parts):  # the client left
+            return Response(status_code=499)
+        merged = parts[0]
+        merged["choices"] = [{**part["choices"][0], "index": i} for i, part in enumerate(parts)]
+        completion = sum(part["usage"]["completion_tokens"] for part in parts)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        merged["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+        if len(prompts) > 1:
+            merged["prompt_token_ids"] = None  # each choice's prompt differs
+        return JSONResponse(merged, headers={"X-Request-Id": merged["id"]})
+
     async def _collect(
-        self, stream: RequestStream, track: _Track, request: Request
+        self, stream: RequestStream, track: RequestTrack, request: Request
     ) -> RequestOutput | None:
         """The final output, or None when the client disconnected first (the request is
         aborted)."""
@@ -337,7 +359,7 @@ class OpenAIServing:
             track.done()
 
     async def _events(
-        self, stream: RequestStream, track: _Track, fmt: ResponseFormat
+        self, stream: RequestStream, track: RequestTrack, fmt: ResponseFormat
     ) -> AsyncIterator[str]:
         """Server-sent events of one streamed request (see the module docstring)."""
         tail: list[str] = []

@@ -201,3 +201,14 @@ def test_a_plain_error_from_the_http_stack_is_a_502_not_a_dropped_connection(str
         assert "AttributeError" in reply.json()["error"]["message"]
         released = [("p1", {"kv_transfer_params": {"from": "p1"}})] if role == "d1" else []
         assert up.released == released
+
+
+@pytest.mark.parametrize(
+    "extra,param", [({"n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt")], ids=["n", "batch"]
+)
+def test_several_choices_are_refused_before_any_leg(extra, param):
+    """n > 1 and batched prompts do not run disaggregated: a 400 naming the field, no upstream
+    call."""
+    up = Upstreams()
+    error = _error(_post(_state(up), {**BODY, **extra}), 400)
+    assert error["param"] == param and up.seen == []

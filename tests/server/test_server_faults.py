@@ -15,8 +15,8 @@ from hybridserve.server import protocol as P
 from hybridserve.server.async_engine import EngineDead
 from hybridserve.server.chat import ChatTemplate
 from hybridserve.server.formatting import ResponseFormat
-from hybridserve.server.metrics import ServerMetrics
-from hybridserve.server.serving import OpenAIServing, ServingSettings, _Track
+from hybridserve.server.metrics import RequestTrack, ServerMetrics
+from hybridserve.server.serving import OpenAIServing, ServingSettings
 
 RELEASE = "/v1/kv_transfer/release"
 PARAMS = {"engine_id": "e1", "req_id": "r1", "block_tables": [[3, 4]], "num_tokens": 9}
@@ -166,7 +166,7 @@ def test_an_engine_that_dies_mid_stream_ends_it_with_an_error_event():
     stream = _DyingStream()
 
     async def collect() -> list[str]:
-        track = _Track(metrics, "cmpl-1", 0.0)
+        track = RequestTrack(metrics, "cmpl-1", 0.0)
         return [e async for e in serving._events(stream, track, fmt)]  # type: ignore[arg-type]
 
     events = asyncio.run(collect())

@@ -247,3 +247,28 @@ def test_openai_client_with_penalties_and_extra_body(server, offline):
     assert got.choices[0].token_ids == want.token_ids
     plain = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16), False)
     assert plain[0].outputs[0].token_ids != want.token_ids, "weak test: the penalties did nothing"
+
+
+def test_openai_client_n_and_batched_prompts(server, offline):
+    """A batch of prompts with n = 2: choices indexed prompt by prompt, choice j of a prompt
+    the offline request with seed + j; chat with n = 2 alike; usage summed."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    got = client.completions.create(
+        model="default", prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=1.0, seed=11
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    completion = 0
+    for i, prompt in enumerate(PROMPTS[:2]):
+        for j in range(2):
+            params = SamplingParams(temperature=1.0, max_tokens=6, seed=11 + j)
+            want = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            assert got.choices[2 * i + j].text == want.text
+            completion += len(want.token_ids)
+    prompt_tokens = sum(len(offline.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (prompt_tokens, completion)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+        temperature=1.0, seed=3,
+    )  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage.completion_tokens == 10
