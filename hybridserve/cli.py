@@ -219,7 +219,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def _convert(args: argparse.Namespace) -> int:
     from checkpoints.convert import main
 
-    return main(args.src, args.dst, args.dtype, args.verify)
+    return main(args.src, args.dst, args.dtype, args.verify, args.overwrite, args.verify_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,7 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--verify",
         action="store_true",
-        help="run the source in transformers beside ours and print the max logit difference",
+        help="then run the source in transformers beside ours over 3 prompts: PASS when the "
+        "max logit difference is within 1e-4 of the max logit (exit 1 on FAIL)",
+    )
+    conv.add_argument(
+        "--verify-only",
+        action="store_true",
+        help="verify an existing output against the source, without converting",
+    )
+    conv.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty DST (default: refused)"
     )
     conv.set_defaults(func=_convert)
     return parser

@@ -68,10 +68,33 @@ def test_shape_mismatch_is_named(hf_checkpoint, tmp_path):
 
 
 def test_cli_convert_with_verify(hf_checkpoint, tmp_path, capsys):
+    """--verify prints a PASS verdict with its tolerance; a non-empty output is refused unless
+    --overwrite; --verify-only checks an existing output without converting."""
     src, _ = hf_checkpoint("bamba")
     assert cli_main(["convert", str(src), str(tmp_path / "c"), "--verify"]) == 0
     out = capsys.readouterr().out
-    diff = float(out.split("max |logit difference| vs transformers = ")[1].split()[0])
+    assert "verify: PASS" in out and "over 3 prompts" in out
+    diff = float(out.split("vs transformers ")[1].split()[0])
     assert diff < 1e-4
     assert cli_main(["convert", str(src), str(tmp_path / "c")]) == 2  # not empty: refused
-    assert "not empty" in capsys.readouterr().err
+    assert "--overwrite replaces it" in capsys.readouterr().err
+    assert cli_main(["convert", str(src), str(tmp_path / "c"), "--verify-only"]) == 0
+    out = capsys.readouterr().out
+    assert "verify: PASS" in out and "converted" not in out
+    stamp = (tmp_path / "c" / "hybridserve_config.json").stat().st_mtime_ns
+    assert cli_main(["convert", str(src), str(tmp_path / "c"), "--overwrite"]) == 0
+    assert (tmp_path / "c" / "hybridserve_config.json").stat().st_mtime_ns != stamp
+    assert not (tmp_path / "c.converting").exists()
+
+
+def test_verify_fails_on_other_weights(hf_checkpoint, tmp_path, capsys):
+    """--verify-only of one model's conversion against another source: FAIL, exit 1."""
+    src, _ = hf_checkpoint("nemotron_h")
+    other = _copy(src, tmp_path)
+    tensors = load_file(other / "model.safetensors")
+    name = "backbone.layers.0.mixer.out_proj.weight"
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, other / "model.safetensors")
+    assert cli_main(["convert", str(other), str(tmp_path / "c")]) == 0
+    assert cli_main(["convert", str(src), str(tmp_path / "c"), "--verify-only"]) == 1
+    assert "verify: FAIL" in capsys.readouterr().out
