@@ -128,7 +128,19 @@ def _serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         api_key=args.api_key,
     )
-    return serve(engine_config, settings, args.host, args.port, args.max_queue, args.log_level)
+    template = None
+    if args.chat_template is not None:  # checked before the model loads
+        from hybridserve.chat_template import ChatTemplate
+
+        source = args.chat_template
+        if Path(source).is_file():
+            source = Path(source).read_text()
+        elif "{{" not in source and "{%" not in source:
+            raise ValueError(f"--chat-template {source!r} is neither a file nor a template")
+        template = ChatTemplate(source, ChatTemplate.load(model).special_tokens)
+    return serve(
+        engine_config, settings, args.host, args.port, args.max_queue, args.log_level, template
+    )
 
 
 _SERVE_EPILOG = """\
@@ -180,6 +192,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "kv_consumer: decode, kv_both); other keys: engine_id, host, port, lease_s, "
         "transfer_timeout_s, handshake_timeout_s, wait_timeout_s, failure_policy, transfer_mode, "
         "nixl_threads, nixl_progress_delay_us; unknown keys are an error",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a jinja chat template (a file, or the template itself) instead of the model's "
+        "(default: the model's chat_template.jinja / tokenizer_config.json, else a plain "
+        "'role: content' fallback)",
     )
     p.add_argument(
         "--max-queue",

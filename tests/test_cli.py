@@ -72,3 +72,6 @@ def test_vllm_spellings_and_no_abbreviations():
     assert proc.returncode == 2 and "unrecognized arguments: --max-num-seq" in proc.stderr
     proc = _run("generate", "--max-token", "4")
     assert proc.returncode == 2 and "unrecognized arguments: --max-token" in proc.stderr
+    assert "--chat-template" in help_text and "--enforce-eager" in help_text
+    proc = _run("serve", "--chat-template", "{% if %}")
+    assert proc.returncode == 2 and "the chat template does not parse" in proc.stderr

@@ -89,9 +89,11 @@ def serve(
     port: int = 8000,
     max_queue: int = 256,
     log_level: str = "info",
+    chat_template: Any = None,
 ) -> int:
     """Serve `engine_config` (an `EngineConfig`) with `settings` (a `ServerSettings`) until
-    SIGTERM/SIGINT. Logs `listening on http://HOST:PORT` once the socket is bound."""
+    SIGTERM/SIGINT (`chat_template`: a `ChatTemplate` instead of the model's). Logs
+    `listening on http://HOST:PORT` once the socket is bound."""
     import asyncio
 
     from hybridserve.engine import LLMEngine, wants_warmup
@@ -107,7 +109,7 @@ def serve(
         count = engine.warmup(progress=True)
         log.info("compiled %d step programs in %.1f s", count, time.perf_counter() - start)
     async_engine = AsyncEngine(engine, max_queue=max_queue)
-    app = build_app(async_engine, settings)
+    app = build_app(async_engine, settings, chat_template)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     limits = HTTPLimits(
