@@ -52,9 +52,18 @@ def _generate(args: argparse.Namespace) -> int:
     )
     load_s = time.perf_counter() - start  # the engine's warmup compiled every program
     start = time.perf_counter()
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    prompts = args.prompts
+    if args.prompt_token_ids is not None:
+        prompts = [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     total_s = time.perf_counter() - start
     for out in outputs:
+        if out.prompt is None:  # token ids in, token ids (and text, with a tokenizer) out
+            print(f"--- prompt_token_ids: {out.prompt_token_ids}")
+            print(f"token_ids: {out.outputs[0].token_ids}")
+            if out.outputs[0].text:
+                print(out.outputs[0].text)
+            continue
         print(f"--- prompt: {out.prompt!r}")
         print(f"{out.prompt}{out.outputs[0].text}")
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -242,6 +251,21 @@ def _convert(args: argparse.Namespace) -> int:
     return main(args.src, args.dst, args.dtype, args.verify, args.overwrite, args.verify_only)
 
 
+def _token_id_lists(text: str) -> list[list[int]]:
+    """`--prompt-token-ids`: one JSON list of ints, or a list of them."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    lists = value if value and all(isinstance(v, list) for v in value) else [value]
+    for ids in lists:
+        if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+            raise argparse.ArgumentTypeError("expected a list of token ids, or a list of lists")
+    return lists
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridserve",
@@ -258,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("prompts", nargs="*", default=["def "], help='prompts (default: "def ")')
     _add_engine_args(gen)
+    gen.add_argument(
+        "--prompt-token-ids",
+        type=_token_id_lists,
+        default=None,
+        metavar="JSON",
+        help="prompts as token ids instead of text: [1, 2, 3] or [[1, 2], [3, 4]] (a model "
+        "without a tokenizer takes only these)",
+    )
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -32,6 +33,17 @@ def test_generate_prints_text_and_timings():
     text = out.split("--- prompt: 'def '\n")[1].split("--- prompt:")[0]
     assert text.startswith("def ") and len(text.strip()) > len("def ") + 10
     assert "time to first token:" in out and "tokens/s" in out
+
+
+def test_generate_takes_token_ids():
+    proc = _run("generate", "--prompt-token-ids", "[[5, 6, 7], [9]]", "--max-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    for ids in ("[5, 6, 7]", "[9]"):
+        assert f"--- prompt_token_ids: {ids}" in proc.stdout
+    outs = [line for line in proc.stdout.splitlines() if line.startswith("token_ids: ")]
+    assert len(outs) == 2 and all(len(json.loads(line.split(": ", 1)[1])) == 3 for line in outs)
+    bad = _run("generate", "--prompt-token-ids", "[1, 'a']")
+    assert bad.returncode == 2 and "--prompt-token-ids" in bad.stderr
 
 
 def test_help_and_bad_input():
