@@ -237,3 +237,26 @@ class RequestTrack:
             ttft,
             1000 * (now - self.arrival),
         )
+
+
+def proxy_metrics(counters: dict[str, int], health: dict[str, dict[str, bool]]) -> bytes:
+    """The proxy's `/metrics`: its counters (`ProxyStats`) as `hybridserve:proxy_<name>_total`
+    and each instance's rotation state as `hybridserve:proxy_instance_healthy{role, url}`."""
+    registry = CollectorRegistry()
+
+    class _Collector:
+        def collect(self) -> Iterator[Metric]:
+            for name, value in counters.items():
+                doc = f"Proxy {name.replace('_', ' ')}"
+                yield CounterMetricFamily(f"{PREFIX}proxy_{name}", doc, value=float(value))
+            family = GaugeMetricFamily(
+                f"{PREFIX}proxy_instance_healthy", "1 while the instance is in rotation",
+                labels=["role", "url"],
+            )  # fmt: skip
+            for role, instances in health.items():
+                for url, ok in instances.items():
+                    family.add_metric([role, url], float(ok))
+            yield family
+
+    registry.register(_Collector())
+    return generate_latest(registry)

@@ -14,7 +14,8 @@ and rejoin the rotation as `proxy_state.py` describes (health checks every
 `health_interval_s`, several failures in a row before a slow instance leaves).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (a decode instance's),
-GET /health (200 while some prefill and some decode instance are in rotation), GET /v1/stats
+GET /health (200 while some prefill and some decode instance are in rotation), GET /metrics
+(Prometheus: the counters below and each instance's rotation state), GET /v1/stats
 (the proxy's counters: requests, prefill_failures, decode_failures, client_disconnects,
 releases_sent, release_failures, no_instance, and each instance's state). With an API key,
 every route but /health needs `Authorization: Bearer KEY` (`auth.py`); the upstream key goes
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -41,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 from hybridserve.server.auth import BearerAuth
 from hybridserve.server.errors import APIError, install_error_handlers
 from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
+from hybridserve.server.metrics import CONTENT_TYPE, proxy_metrics
 from hybridserve.server.proxy_routes import handle
 from hybridserve.server.proxy_state import Instance, NoInstance, ProxyState, ProxyStats
 
@@ -104,6 +107,15 @@ def build_proxy(state: ProxyState, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:
         return JSONResponse(state.snapshot())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        health = {
+            "prefill": {i.url: i.healthy for i in state.prefill},
+            "decode": {i.url: i.healthy for i in state.decode},
+        }
+        body = proxy_metrics(dataclasses.asdict(state.stats), health)
+        return Response(body, media_type=CONTENT_TYPE)
 
     return app
 

@@ -212,3 +212,31 @@ def test_several_choices_are_refused_before_any_leg(extra, param):
     up = Upstreams()
     error = _error(_post(_state(up), {**BODY, **extra}), 400)
     assert error["param"] == param and up.seen == []
+
+
+def test_proxy_metrics_count_requests_and_instances():
+    """GET /metrics on the proxy: its counters and each instance's rotation state, in the
+    Prometheus text format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    up = Upstreams()
+    state = _state(up, decode=("d1", "d2"))
+    state.decode[1].healthy = False
+    _post(state, BODY)
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(build_proxy(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await client.get("/metrics")
+
+    reply = asyncio.run(get())
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(reply.text)
+        for s in family.samples
+    }
+    assert samples[("hybridserve:proxy_requests_total", ())] == 1
+    healthy = "hybridserve:proxy_instance_healthy"
+    assert samples[(healthy, (("role", "decode"), ("url", "http://d1:1")))] == 1
+    assert samples[(healthy, (("role", "decode"), ("url", "http://d2:1")))] == 0
