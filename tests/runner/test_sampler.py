@@ -55,8 +55,10 @@ def test_logprobs_match_log_softmax():
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((3, 10)).astype(np.float32)
     tokens = np.array([4, 0, 9])
-    chosen, top_ids, top_lp = logprobs(jnp.asarray(logits), jnp.asarray(tokens), 3)
+    chosen, top_ids, top_lp, rank = logprobs(jnp.asarray(logits), jnp.asarray(tokens), 3)
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(chosen), ref[np.arange(3), tokens], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-ref, axis=-1)[:, :3])
     np.testing.assert_allclose(np.asarray(top_lp), np.sort(ref, -1)[:, ::-1][:, :3], atol=1e-5)
+    want_rank = 1 + (ref > ref[np.arange(3), tokens][:, None]).sum(-1)  # 1: the most likely
+    np.testing.assert_array_equal(np.asarray(rank), want_rank)

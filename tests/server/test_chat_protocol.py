@@ -70,14 +70,21 @@ def test_fallback_template_of_the_default_model():
 
 
 def test_request_models_are_strict():
+    """Types are strict and nested objects reject unknown fields; unknown top-level fields are
+    dropped (as vLLM ignores them), batches of prompts are kept."""
     assert CompletionRequest.model_validate({"prompt": ["a"]}).prompt == "a"
     assert CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompt == [1, 2]
+    batch = CompletionRequest.model_validate({"prompt": ["a", [1, 2]]})
+    assert batch.prompts == ["a", [1, 2]]
+    ignored = CompletionRequest.model_validate({"prompt": "a", "extra": 1})
+    assert "extra" not in ignored.model_dump()
     for bad in (
         {"prompt": "a", "max_tokens": "3"},
         {"prompt": "a", "temperature": "0.5"},
         {"prompt": [1.0]},
         {"prompt": {"a": 1}},
-        {"prompt": "a", "extra": 1},
+        {"prompt": "a", "stream_options": {"extra": 1}},
+        {"prompt": ["a", 1]},
         {"prompt": "a", "best_of": 2},
         {"prompt": "a", "logit_bias": {"1": 5.0}},
         {"prompt": "a", "kv_transfer_params": {"num_tokens": -1}},
