@@ -139,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     template = None
     if args.chat_template is not None:  # checked before the model loads
-        from hybridserve.chat_template import ChatTemplate
+        from hybridserve.server.chat import ChatTemplate
 
         source = args.chat_template
         if Path(source).is_file():
