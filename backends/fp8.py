@@ -57,24 +57,33 @@ def fake_quantize(x: jax.Array, scale: jax.Array | float) -> jax.Array:
     return dequantize(quantize(x, scale), scale, x.dtype)
 
 
-def tensor_scale(w: jax.Array) -> jax.Array:
-    """The per-tensor scale ModelOpt uses: `amax(|w|) / 448` (1 for an all-zero tensor)."""
-    amax = jnp.max(jnp.abs(w.astype(F32)))
+def tensor_scale(w: jax.Array, axis: int | tuple[int, ...] | None = None) -> jax.Array:
+    """The scale ModelOpt uses, `amax(|w|) / 448` (1 where all are zero): per tensor, or per
+    slice when `axis` names the axes reduced (e.g. `(1, 2)`: one per expert of [E, K, N])."""
+    amax = jnp.max(jnp.abs(w.astype(F32)), axis=axis)
     return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(F32)
+
+
+def fp8_einsum(
+    equation: str, x: jax.Array, w: jax.Array, w_scale: jax.Array, x_scale: jax.Array | None
+) -> jax.Array:
+    """`einsum(equation, q(x, x_scale), w) * w_scale` with e4m3 weights `w` widened to x's
+    dtype, float32 accumulation: the W8A8 pattern (module docstring). `w_scale` broadcasts
+    against the output; `x_scale` None: no input rounding. Returns float32."""
+    h = x if x_scale is None else fake_quantize(x, x_scale)
+    y = jnp.einsum(equation, h, w.astype(x.dtype), preferred_element_type=F32)
+    return y * w_scale.astype(F32)
 
 
 def fp8_matmul(
     x: jax.Array, w: jax.Array, w_scale: jax.Array, x_scale: jax.Array | None
 ) -> jax.Array:
-    """`x [..., K] @ (w [N, K] * w_scale)^T` with e4m3 rows `w`, float32 accumulation.
+    """`x [..., K] @ (w [N, K] * w_scale)^T` with e4m3 rows `w` (`fp8_einsum`).
 
     `w_scale`: [] (per tensor) or [N] (per row: merged projections of different tensors);
     `x_scale`: the static input scale ([]), or None for weight-only (no input rounding).
     Returns [..., N] float32."""
-    cd = x.dtype
-    h = x if x_scale is None else fake_quantize(x, x_scale)
-    y = jnp.einsum("...k,nk->...n", h, w.astype(cd), preferred_element_type=F32)
-    return y * w_scale.astype(F32)
+    return fp8_einsum("...k,nk->...n", x, w, w_scale, x_scale)
 
 
 class Fp8Linear(Protocol):

@@ -167,10 +167,8 @@ class Einsum(nnx.Module):
         """The projection by `equation` (the FP8 pattern of `backends.fp8` for e4m3 kernels)."""
         if not self.is_fp8:
             return jnp.einsum(self.equation, x, self.kernel[...])
-        h = fp8.fake_quantize(x, self.input_scale[...])
-        kernel = self.kernel[...].astype(x.dtype)
-        y = jnp.einsum(self.equation, h, kernel, preferred_element_type=jnp.float32)
-        return (y * self.weight_scale[...]).astype(x.dtype)
+        scales = (self.weight_scale[...], self.input_scale[...])
+        return fp8.fp8_einsum(self.equation, x, self.kernel[...], *scales).astype(x.dtype)
 
 
 @jax.jit

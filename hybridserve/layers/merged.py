@@ -123,10 +123,8 @@ class MergedProjection(nnx.Module):
         if norm is not None:
             raise ValueError("a fused projection needs rows (MergedProjection.to_rows)")
         if quantized:
-            h = fp8.fake_quantize(x, self.input_scale[...])
-            kernel = self.kernel[...].astype(x.dtype)
-            y = jnp.einsum("btd,drw->btrw", h, kernel, preferred_element_type=jnp.float32)
-            y = (y * self.weight_scale[...]).astype(x.dtype)
+            scales = (self.weight_scale[...], self.input_scale[...])
+            y = fp8.fp8_einsum("btd,drw->btrw", x, self.kernel[...], *scales).astype(x.dtype)
         else:
             y = jnp.einsum("btd,drw->btrw", x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]

@@ -81,8 +81,7 @@ class Fp8Experts(nnx.Module):
     1) until a checkpoint's values replace them."""
 
     def __init__(self, dense: jax.Array, axes: tuple[str | None, ...]) -> None:
-        amax = jnp.max(jnp.abs(dense.astype(jnp.float32)), axis=(1, 2))
-        scale = jnp.where(amax > 0, amax / fp8.E4M3_MAX, 1.0).astype(jnp.float32)
+        scale = fp8.tensor_scale(dense, axis=(1, 2))
         self.weight = nnx.Param(fp8.quantize(dense, scale[:, None, None]), axes=axes)
         self.weight_scale = nnx.Param(scale, axes=(None,))
         self.input_scale = nnx.Param(jnp.ones_like(scale), axes=(None,))

@@ -24,19 +24,9 @@ def _modules(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
     ]
 
 
-def fp8_candidates(model: nnx.Module) -> tuple[str, ...]:
-    """The parameter paths of `model` that an FP8 checkpoint may hold in e4m3, sorted."""
-    paths = []
-    for where, node in _modules(model):
-        if isinstance(node, Einsum):
-            paths.append(f"{where}.kernel")
-        else:
-            paths += [f"{where}.{n}" for n in EXPERT_STACKS if getattr(node, n) is not None]
-    return tuple(sorted(paths))
-
-
 def apply_fp8(model: nnx.Module, params: tuple[str, ...]) -> None:
-    """Store each of `params` (paths from `fp8_candidates`) in e4m3 with its scales."""
+    """Store each of `params` (projection kernels, expert stacks: `weights.fp8_names`) in
+    e4m3 with its scales."""
     wanted = set(params)
     todo = []
     for where, node in _modules(model):

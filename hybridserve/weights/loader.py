@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from backends import fp8
 from backends.protocol import Ops
 from hybridserve.config import ModelConfig, parse_hf_config
 from hybridserve.models.hybrid import HybridModel
@@ -144,13 +145,12 @@ def _check_fp8(directory, name: str, names: tuple, arrays: list, dtype: jnp.dtyp
     cast to another dtype without its scale would be a wrong weight)."""
     want = jnp.dtype(dtype) == jnp.float8_e4m3fn
     for tensor, array in zip(names, arrays, strict=True):
-        eight_bit_float = array.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
         if want and array.dtype != jnp.float8_e4m3fn:
             raise WeightError(
                 f"{directory}: parameter {name} is FP8 (e4m3) but tensor {tensor!r} is "
                 f"{array.dtype}"
             )
-        if not want and eight_bit_float:
+        if not want and fp8.is_float8(array.dtype):
             raise WeightError(
                 f"{directory}: tensor {tensor!r} is {array.dtype} (quantised), but parameter "
                 f"{name} is not stored in FP8 (only projections and routed experts are, with "
