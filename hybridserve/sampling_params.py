@@ -42,6 +42,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
+    def choice(self, index: int) -> SamplingParams:
+        """The settings of completion `index` of `n`: one completion, seed `seed + index` when
+        a seed is given (so completion 0 is what the same request with n = 1 gives)."""
+        if self.n == 1 and index == 0:
+            return self
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
     @property
     def penalized(self) -> bool:
         """Does any penalty change the logits?"""

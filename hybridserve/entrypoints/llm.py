@@ -124,12 +124,12 @@ class LLM:
             unpacked.append((prompt, p, kv, mm))
         groups = []
         for prompt, p, kv, mm in unpacked:
-            group = []
-            for i in range(p.n):
-                seed = None if p.seed is None else p.seed + i
-                one = p if p.n == 1 else dataclasses.replace(p, n=1, seed=seed)
-                group.append(self.engine.add_request(prompt, one, kv_transfer_params=kv, mm=mm))
-            groups.append(group)
+            groups.append(
+                [
+                    self.engine.add_request(prompt, p.choice(i), kv_transfer_params=kv, mm=mm)
+                    for i in range(p.n)
+                ]
+            )
         return groups
 
     def generate(

@@ -52,6 +52,10 @@ class ResponseFormat:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _text(self, token_id: int, lp: Logprob) -> str:
+        """A logprob entry's token text: decoded once by the engine's output processor."""
+        return self._token(token_id) if lp.decoded_token is None else lp.decoded_token
+
     def _logprobs(self, ids: list[int], entries: list[dict[int, Logprob]] | None) -> Any:
         if self.num_logprobs is None or entries is None:
             return None
@@ -59,10 +63,10 @@ class ResponseFormat:
         if self.chat:
             content = []
             for token_id, entry in zip(ids, entries, strict=False):
-                token = self._token(token_id)
+                token = self._text(token_id, entry[token_id])
                 top = [
                     P.TopLogprob(
-                        token=(t := self._token(i)), logprob=lp.logprob, bytes=list(t.encode())
+                        token=(t := self._text(i, lp)), logprob=lp.logprob, bytes=list(t.encode())
                     )
                     for i, lp in list(entry.items())[:k]
                 ]
@@ -77,11 +81,11 @@ class ResponseFormat:
             return P.ChatLogprobs(content=content)
         result = P.CompletionLogprobs()
         for token_id, entry in zip(ids, entries, strict=False):
-            token = self._token(token_id)
+            token = self._text(token_id, entry[token_id])
             result.tokens.append(token)
             result.token_logprobs.append(entry[token_id].logprob)
             top = list(entry.items())[:k]
-            result.top_logprobs.append({self._token(i): lp.logprob for i, lp in top})
+            result.top_logprobs.append({self._text(i, lp): lp.logprob for i, lp in top})
             result.text_offset.append(self.offset)
             self.offset += len(token)
         return result

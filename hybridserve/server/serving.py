@@ -288,9 +288,7 @@ class OpenAIServing:
             )
 
         async def one(ids: list[int], p: SamplingParams, j: int) -> dict | None:
-            if j and p.seed is not None:
-                p = dataclasses.replace(p, seed=p.seed + j)
-            req_id, stream, track = await self._start(req, ids, p, prefix, arrival)
+            req_id, stream, track = await self._start(req, ids, p.choice(j), prefix, arrival)
             final = await self._collect(stream, track, request)
             fmt = ResponseFormat(req, req_id, model, self.tokenizer, ids)
             return None if final is None else fmt.full(final).model_dump()
