@@ -33,11 +33,11 @@ def _state(up: Upstreams, prefill=("p1",), decode=("d1",), **kw) -> ProxyState:
     )
 
 
-async def _send(state: ProxyState, path: str, **kw) -> httpx.Response:
+async def _send(state: ProxyState, path: str, method: str = "POST", **kw) -> httpx.Response:
     """One request through the proxy app; waits for its background releases."""
     transport = httpx.ASGITransport(build_proxy(state))
     async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-        reply = await client.post(path, **kw)
+        reply = await client.request(method, path, **kw)
     await state.settle()
     return reply
 
@@ -224,12 +224,7 @@ def test_proxy_metrics_count_requests_and_instances():
     state.decode[1].healthy = False
     _post(state, BODY)
 
-    async def get() -> httpx.Response:
-        transport = httpx.ASGITransport(build_proxy(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            return await client.get("/metrics")
-
-    reply = asyncio.run(get())
+    reply = asyncio.run(_send(state, "/metrics", "GET"))
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
