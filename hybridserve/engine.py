@@ -34,7 +34,7 @@ from hybridserve.core.request import MultimodalInput, Request
 from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.output_processor import OutputProcessor
 from hybridserve.outputs import RequestOutput, local_prefill_output
-from hybridserve.prompt_check import prompt_token_ids
+from hybridserve.prompt_check import check_request, prompt_token_ids
 from hybridserve.runner.compile_cache import enable_compilation_cache
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.inflight import InFlight
@@ -192,20 +192,8 @@ class LLMEngine:
         decode engine. `mm`: the embeddings of a prompt from `prepare_multimodal` (whose
         expanded ids are `prompt`)."""
         ids = self.validate(prompt, params)
-        if params.n != 1:
-            raise ValueError(
-                f"n={params.n}: the engine takes one completion per request (LLM.generate "
-                "fans n out into n requests)"
-            )
-        if params.penalized and self.runner.spec is not None:
-            raise ValueError("penalties are not supported with speculative decoding yet")
-        if mm is not None and (not mm.positions or mm.positions[-1] >= len(ids)):
-            raise ValueError("multimodal positions do not fit the prompt (use prepare_multimodal)")
-        if mm is not None and kv_transfer_params:
-            raise ValueError("multimodal prompts do not run disaggregated yet")
+        check_request(ids, params, self.runner.spec is not None, mm, kv_transfer_params)
         transfer = None
-        if kv_transfer_params and not isinstance(kv_transfer_params, dict):
-            raise ValueError("kv_transfer_params must be an object")
         if kv_transfer_params:
             if self.kv is None:
                 raise ValueError(
@@ -231,6 +219,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_ids),
             stop_token_ids=frozenset(params.stop_token_ids),
             mm=mm,
+            skip_prefix_cache=params.prompt_logprobs is not None,
         )
         if transfer is not None:
             self.kv.prepare(request, transfer)  # a prefill request computes less
@@ -320,10 +309,11 @@ class LLMEngine:
         """Run one scheduled step; outputs of every request that got a token in it. With
         `async_scheduling` the step's tokens are still on the device when it returns: the
         outputs are those of the step before (`_step_overlapped`); while a request with
-        penalties runs (they count every token so far), steps run one at a time."""
-        if self._overlap and not self.runner.requests.penalized:
+        penalties (they count every token so far) or prompt logprobs runs, steps run one at a
+        time."""
+        if self._overlap and not self.runner.requests.serial:
             return self._step_overlapped()
-        if self._flight is not None:  # a penalised request counts every token: land it first
+        if self._flight is not None:  # a serial request's step: land the one in flight first
             flight, self._flight = self._flight, None
             self._ready += self._land(flight, self._record(flight))
         self.poll_transfers()
@@ -333,7 +323,9 @@ class LLMEngine:
             return ready
         result = self.runner.execute(out)
         finished = {r.req_id for r in self.scheduler.update_from_output(out, result.sampled)}
-        outputs = self.outputs.process(result.sampled, result.logprobs, finished)
+        outputs = self.outputs.process(
+            result.sampled, result.logprobs, finished, result.prompt_logprobs
+        )
         if self.runner.spec is not None:  # the next drafts, for the requests still running
             self.scheduler.set_drafts(self.runner.propose(self.scheduler.draft_rooms(out)))
         return ready + self._forget_finished(outputs)
@@ -382,7 +374,9 @@ class LLMEngine:
         result = self.runner.resolve(flight)
         settled = self.scheduler.settle(flight.out, result.sampled, updated)
         finished = {r.req_id for r in settled}
-        outputs = self.outputs.process(result.sampled, result.logprobs, finished)
+        outputs = self.outputs.process(
+            result.sampled, result.logprobs, finished, result.prompt_logprobs
+        )
         return self._forget_finished(outputs)
 
     def stats(self) -> dict[str, float]:

@@ -4,10 +4,11 @@ step).
 
 Lifecycle of a request:
   1. `add(request, prompt, params)` when the engine accepts it (the scheduler owns `request`).
-  2. Each step `process(sampled, logprobs, finished)`: the new tokens' text is decoded from a
-     window of the last few tokens only (`IncrementalDetokenizer`), the stop strings are looked
-     for in the new text, a request that met one is ended through `finish_request` (its text
-     cut before the stop string), and an output is built for every request that got a token.
+  2. Each step `process(sampled, logprobs, finished, prompt_logprobs)`: the new tokens' text
+     is decoded from a window of the last few tokens only (`IncrementalDetokenizer`), the stop
+     strings are looked for in the new text, a request that met one is ended through
+     `finish_request` (its text cut before the stop string), and an output is built for every
+     request that got a token (with its prompt logprobs once they are all scored).
   3. A request that ended leaves the processor with its last output; `fail` reports one that
      ended outside a step (its P/D transfer failed for good); `remove` forgets an aborted one.
 """
@@ -82,6 +83,7 @@ class _Tracked:
     cumulative: float = 0.0  # the chosen tokens' logprobs, summed over the first `summed`
     summed: int = 0
     stopped: bool = False  # ended by a stop string: `text` is cut before it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -140,10 +142,13 @@ class OutputProcessor:
         sampled: dict[str, list[int]],
         logprobs: dict[str, list[dict[int, Logprob]]],
         finished: set[str],
+        prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] | None = None,
     ) -> list[RequestOutput]:
         """Outputs of the requests that got tokens in a step (`sampled`, as the runner gave
         them; the scheduler has recorded what counts), `finished` the ones the scheduler
-        ended in it."""
+        ended in it; `prompt_logprobs` the whole prompt's entries of requests that asked (with
+        their first token)."""
+        prompt_logprobs = prompt_logprobs or {}
         outputs = []
         now = time.perf_counter()
         for req_id in sampled:
@@ -157,6 +162,9 @@ class OutputProcessor:
             tracked.metrics.num_generated_tokens = len(req.output_token_ids)
             if tracked.logprobs is not None:
                 tracked.logprobs.extend(map(self._decoded, logprobs.get(req_id, ())))
+            if req_id in prompt_logprobs:
+                entries = prompt_logprobs[req_id]
+                tracked.prompt_logprobs = [e and self._decoded(e) for e in entries]
             done = req_id in finished
             stop = self._update_text(tracked, check_stops=not done)
             if stop is not None:
@@ -233,4 +241,5 @@ class OutputProcessor:
             tracked.metrics,
             new,
             kv_params,
+            tracked.prompt_logprobs,
         )

@@ -61,7 +61,10 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """The prompt and its completion(s) for one request."""
+    """The prompt and its completion(s) for one request. With `SamplingParams.prompt_logprobs`:
+    `prompt_logprobs` per prompt token {token id: Logprob} (the token and the most likely ones
+    at its position; None for the first token, which nothing scores), from the first token on.
+    """
 
     request_id: str
     prompt: str | None
@@ -71,6 +74,7 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = dataclasses.field(default_factory=list)  # since the last update
     kv_transfer_params: dict | None = None  # prefill side of P/D: what the decode side needs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def local_prefill_output(req_id: str, prompt: str | list[int], ids: list[int]) -> RequestOutput:

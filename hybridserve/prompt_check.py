@@ -1,10 +1,14 @@
-"""A prompt (text or token ids) checked and turned into token ids, before it reaches a scheduler."""
+"""A prompt (text or token ids) checked and turned into token ids, and its settings checked
+against what the engine can do, before it reaches a scheduler."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+
+from hybridserve.core.request import MultimodalInput
+from hybridserve.sampling_params import SamplingParams
 
 
 def prompt_token_ids(
@@ -34,3 +38,34 @@ def prompt_token_ids(
             f"{max_model_len} (prompt + at least one output token)"
         )
     return ids
+
+
+def check_request(
+    ids: list[int],
+    params: SamplingParams,
+    speculative: bool,
+    mm: MultimodalInput | None,
+    kv_transfer_params: Any,
+) -> None:
+    """ValueError when an engine (`speculative`: it verifies drafts) cannot run a request
+    with these settings, multimodal embeddings and P/D parameters."""
+    if params.n != 1:
+        raise ValueError(
+            f"n={params.n}: the engine takes one completion per request (LLM.generate "
+            "fans n out into n requests)"
+        )
+    if params.penalized and speculative:
+        raise ValueError("penalties are not supported with speculative decoding yet")
+    if params.prompt_logprobs is not None and speculative:
+        raise ValueError("prompt_logprobs is not supported with speculative decoding yet")
+    if params.prompt_logprobs is not None and kv_transfer_params:
+        raise ValueError(
+            "prompt_logprobs is not supported with disaggregated prefill/decode yet: send the "
+            "request to a colocated engine"
+        )
+    if mm is not None and (not mm.positions or mm.positions[-1] >= len(ids)):
+        raise ValueError("multimodal positions do not fit the prompt (use prepare_multimodal)")
+    if mm is not None and kv_transfer_params:
+        raise ValueError("multimodal prompts do not run disaggregated yet")
+    if kv_transfer_params and not isinstance(kv_transfer_params, dict):
+        raise ValueError("kv_transfer_params must be an object")

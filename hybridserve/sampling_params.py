@@ -13,7 +13,9 @@ class SamplingParams:
     Generation stops at `max_tokens`, at an EOS token (unless `ignore_eos`, or before
     `min_tokens`), at any of `stop_token_ids`, or when the text contains one of the `stop`
     strings (which is cut off). `logprobs=n` returns, per generated token, its log-probability
-    and the n most likely tokens' (of the model's distribution, before penalties and filters).
+    and the n most likely tokens' (of the model's distribution, before penalties and filters);
+    `prompt_logprobs=n` the same for every prompt token after the first (the request then
+    computes its whole prompt: it reads nothing from the prefix cache).
     `seed` makes sampling reproducible per request. `n` > 1 (`LLM.generate`) samples n
     completions of the prompt, the i-th with seed `seed + i` when a seed is given.
 
@@ -38,17 +40,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
     def choice(self, index: int) -> SamplingParams:
         """The settings of completion `index` of `n`: one completion, seed `seed + index` when
-        a seed is given (so completion 0 is what the same request with n = 1 gives)."""
+        a seed is given (so completion 0 is what the same request with n = 1 gives); only
+        completion 0 computes the prompt's logprobs (the others may share its cached pages)."""
         if self.n == 1 and index == 0:
             return self
         seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def penalized(self) -> bool:
@@ -74,6 +79,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
             ),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an int: {self.seed}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),

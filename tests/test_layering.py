@@ -44,7 +44,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "hybridserve.sampling_params": (),
     "hybridserve.tokenizer": ("hybridserve.chat_template",),
     "hybridserve.chat_template": (),
-    "hybridserve.prompt_check": (),
+    "hybridserve.prompt_check": ("hybridserve.sampling_params", "hybridserve.core.request"),
     "hybridserve.bench": (),  # talks HTTP to any server: nothing of the engine
     "hybridserve.output_processor": ("hybridserve.core", *LEAVES),
     "hybridserve.cache": CONFIG,

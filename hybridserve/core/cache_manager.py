@@ -198,7 +198,7 @@ class CacheCoordinator:
         """The longest usable cached prefix of a request about to be admitted (pure lookup).
         `resume`: a P/D request that goes on from there with a transferred state (see
         `prefix_cache.find_prefix`)."""
-        if not self.caching:
+        if not self.caching or request.skip_prefix_cache:
             return self.miss()
         hashes = self._unit_hashes(request, (request.num_tokens - 1) // self.unit)
         windows = [m.window for m in self.managers]

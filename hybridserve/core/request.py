@@ -65,6 +65,8 @@ class Request:
     min_tokens:          neither of the above ends the request before it has this many outputs.
     num_computed_tokens: tokens whose cache (KV, state) is written; the next chunk starts here.
     num_cached_tokens:   of those, how many came from the prefix cache at the last admission.
+    skip_prefix_cache:   read nothing from the prefix cache (a request that scores its whole
+                         prompt: `SamplingParams.prompt_logprobs`); it still adds its pages.
     """
 
     req_id: str
@@ -83,6 +85,7 @@ class Request:
     num_preemptions: int = 0
     hold_pages: bool = False  # P/D prefill side: keep the pages after finishing until released
     mm: MultimodalInput | None = None
+    skip_prefix_cache: bool = False
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # to verify next step
 
     def __post_init__(self) -> None:

@@ -30,7 +30,6 @@ from hybridserve.cache.regions import CacheRegions, allocate_regions, build_layo
 from hybridserve.cache.view import WORD_BYTES, apply_page_copies
 from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
-from hybridserve.core.request import MultimodalInput
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
 from hybridserve.runner.inflight import InFlight, fill_pending, pending_slots
@@ -39,6 +38,7 @@ from hybridserve.runner.logit_rows import gather_rows
 from hybridserve.runner.memory import PoolSizing
 from hybridserve.runner.packed import MAX_SEGMENT, PackLimits, build_packed, split_chunks
 from hybridserve.runner.programs import warmup
+from hybridserve.runner.prompt_logprobs import score_chunk, taken_scores, wants_scores
 from hybridserve.runner.request_state import (
     RequestStates,
     RunnerOutput,
@@ -46,11 +46,12 @@ from hybridserve.runner.request_state import (
     StepPass,
 )
 from hybridserve.runner.sampler import draw, fetch, sample_requests
+from hybridserve.runner.scratch import ScratchLogits
 from hybridserve.runner.spec_decode import SpecDecoder
 from hybridserve.sampling_params import SamplingParams
 
 
-class ModelRunner:
+class ModelRunner(ScratchLogits):
     """Runs scheduled steps of `model` over the paged hybrid cache (see the module docstring)."""
 
     def __init__(
@@ -321,7 +322,7 @@ class ModelRunner:
         sampled = {r: [int(t)] for r, t in zip(flight.req_ids, host.tolist(), strict=True)}
         self.requests.settle(sampled, flight.positions)
         logprobs = {r: [e] for r, e in zip(flight.req_ids, entries, strict=True) if e}
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, taken_scores(self.requests, sampled))
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled step and sample: the new tokens of every chunk that samples (with
@@ -338,7 +339,7 @@ class ModelRunner:
             result = self.compute_logits(out, self.spec.k + 1, self.spec.config.method == "mtp")
             sampled, logprobs = self.spec.accept(result, out, self.requests)
         self.requests.record(sampled)
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, taken_scores(self.requests, sampled))
 
     def propose(self, rooms: dict[str, int]) -> dict[str, list[int]]:
         """Speculation: drafts for the requests of the last step that still run, at most
@@ -357,10 +358,15 @@ class ModelRunner:
         """Run one scheduled step; return the logits of the chunks that sample: [n, V], or with
         `n_logits` > 1 (speculative decoding) [n, n_logits, V] (the last token before the drafts,
         then the drafts); `keep_hidden`: with each program's hidden states (`StepLogits.passes`,
-        for the MTP heads)."""
+        for the MTP heads). Chunks that score prompt tokens (`runner.prompt_logprobs`) run
+        alone with every position's logits."""
         self.copy_pages(out.page_copies)
         decode = [c for c in out.chunks if len(c.token_ids) - c.num_drafts == 1]
-        prefill = [c for c in out.chunks if len(c.token_ids) - c.num_drafts > 1]
+        scored = [c for c in out.chunks if len(c.token_ids) > 1 and self._scores(c)]
+        alone = {c.req_id for c in scored}
+        prefill = [
+            c for c in out.chunks if len(c.token_ids) - c.num_drafts > 1 and c.req_id not in alone
+        ]
         got: dict[str, tuple[int, int]] = {}
         sources: list[jax.Array] = []
         passes = []
@@ -374,9 +380,22 @@ class ModelRunner:
             for i, c in enumerate(chunks):
                 if c.sample:
                     got[c.req_id] = (len(sources), int(last[i]))
+                if chunks is decode and self._scores(c):  # its one position's logits
+                    score_chunk(self.requests[c.req_id], c, logits[i])
             sources.append(logits)
+        for c in scored:
+            logits = self.chunk_logits(c)  # [T', V]
+            score_chunk(self.requests[c.req_id], c, logits)
+            self.prefill_tokens[0] += len(c.token_ids)
+            self.prefill_tokens[1] += logits.shape[0]
+            if c.sample:
+                got[c.req_id] = (len(sources), len(c.token_ids) - 1)
+                sources.append(logits[:, None])
         order = [c.req_id for c in out.chunks if c.sample]
         return StepLogits(order, gather_rows(got, order, sources, n_logits == 1), passes)
+
+    def _scores(self, chunk: ScheduledChunk) -> bool:
+        return bool(self.requests.serial) and wants_scores(self.requests.get(chunk.req_id), chunk)
 
     def _batches(
         self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk], packed: bool
@@ -406,11 +425,6 @@ class ModelRunner:
         and `max_tokens` prompt tokens (`runner.programs.warmup`); returns how many."""
         return warmup(self, max_num_seqs, max_tokens, progress)
 
-    def prompt_logits(self, chunk: ScheduledChunk) -> jax.Array:
-        """All-position logits [T, V] of one chunk (for checks and verification)."""
-        batch = build_batch([chunk], self.plan, self.max_model_len, 16)
-        return self.run(batch, n_logits=None)[0][0, : len(chunk.token_ids)]
-
     def cache_regions(self) -> CacheRegions:
         """The cache as a KV connector registers it (`cache.regions.CacheRegions`)."""
         return CacheRegions.of(self.plan, self.cfg, self.layout, self.num_pages, self.regions)
@@ -420,25 +434,3 @@ class ModelRunner:
         return [
             [s.data.unsafe_buffer_pointer() for s in r.addressable_shards] for r in self.regions
         ]
-
-    def scratch_tables(self, num_tokens: int, first_page: int = 1) -> tuple[tuple[int, ...], ...]:
-        """Block tables for one sequence of `num_tokens` on consecutive pages from `first_page`,
-        bypassing the scheduler (for checks and verification only)."""
-        tables, page = [], first_page
-        for group in self.plan.groups:
-            n = -(-num_tokens // self.plan.block_size) if group.spec.holds_tokens else 1
-            tables.append(tuple(range(page, page + n)))
-            page += n
-        if page > self.num_pages:
-            raise ValueError(
-                f"{num_tokens} tokens need {page} pages; the pool has {self.num_pages}"
-            )
-        return tuple(tables)
-
-    def sequence_logits(self, token_ids: list[int], mm: MultimodalInput | None = None) -> jax.Array:
-        """All-position logits [T, V] of one sequence computed from scratch (`mm`: its
-        multimodal embeddings, from `multimodal_prompt`)."""
-        tables = self.scratch_tables(len(token_ids))
-        rows = None if mm is None else mm.rows(0, len(token_ids))
-        chunk = ScheduledChunk("scratch", tuple(token_ids), 0, tables, True, rows)
-        return self.prompt_logits(chunk)

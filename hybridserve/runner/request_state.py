@@ -29,6 +29,9 @@ class RequestState:
     token_ids: list[int]  # prompt, then every token sampled for it
     num_prompt_tokens: int
     stop_ids: frozenset[int]  # EOS and stop tokens: masked while short of min_tokens
+    # `runner.prompt_logprobs`: entries of prompt positions 1.. scored so far (None: not asked)
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_outputs(self) -> int:
@@ -64,10 +67,15 @@ class StepLogits:
 class RunnerOutput:
     """What one step gives back per request that sampled: its new tokens (one, or with
     speculative decoding the accepted drafts and one more) and, when asked, one logprob entry
-    per new token ({token id: logprob}: the chosen token and the top `logprobs`)."""
+    per new token ({token id: logprob}: the chosen token and the top `logprobs`);
+    `prompt_logprobs` the whole prompt's entries of the requests that asked, with their first
+    token (`runner.prompt_logprobs`)."""
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class RequestStates:
@@ -75,7 +83,9 @@ class RequestStates:
 
     def __init__(self) -> None:
         self._states: dict[str, RequestState] = {}
-        self.penalized = 0  # requests with penalties (their steps need every token settled)
+        # requests whose steps run one at a time: penalties count every token so far, prompt
+        # logprobs are read on the host as their chunks compute
+        self.serial = 0
 
     def add(
         self,
@@ -91,13 +101,15 @@ class RequestStates:
         self._states[req_id] = RequestState(
             req_id, params, jax.random.key(seed), list(token_ids), len(token_ids), stop_ids
         )
-        self.penalized += params.penalized
+        if params.prompt_logprobs is not None:
+            self._states[req_id].prompt_logprobs = []
+        self.serial += _serial(params)
 
     def remove(self, req_id: str) -> None:
         """Forget a finished or aborted request (unknown ids are ignored)."""
         state = self._states.pop(req_id, None)
         if state is not None:
-            self.penalized -= state.params.penalized
+            self.serial -= _serial(state.params)
 
     def __getitem__(self, req_id: str) -> RequestState:
         return self._states[req_id]
@@ -123,3 +135,8 @@ class RequestStates:
             if state is not None:
                 at = positions[req_id]
                 state.token_ids[at : at + len(tokens)] = tokens
+
+
+def _serial(params: SamplingParams) -> bool:
+    """Must the request's steps run one at a time (`RequestStates.serial`)?"""
+    return params.penalized or params.prompt_logprobs is not None

@@ -17,6 +17,13 @@ from hybridserve.outputs import Logprob, RequestOutput
 from hybridserve.server import protocol as P
 from hybridserve.tokenizer import Tokenizer
 
+DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
+def sse(body: BaseModel) -> str:
+    """One server-sent event."""
+    return f"data: {body.model_dump_json()}\n\n"
+
 
 class ResponseFormat:
     """Builds the response bodies of one request, completions or chat."""
@@ -109,12 +116,16 @@ class ResponseFormat:
             stop_reason=c.stop_reason,
             token_ids=token_ids,
         )
+        prompt_logprobs = self._prompt_logprobs(out)
         if self.chat:
             choice = P.ChatChoice(message=P.ChatMessageOut(content=c.text), **common)
+            extra = {"prompt_logprobs": prompt_logprobs}  # vLLM: on the response
             response = P.ChatCompletionResponse
         else:
-            choice = P.CompletionChoice(text=c.text, **common)
-            response = P.CompletionResponse
+            choice = P.CompletionChoice(
+                text=c.text, prompt_logprobs=prompt_logprobs, **common
+            )  # vLLM: on the choice
+            extra, response = {}, P.CompletionResponse
         return response(
             id=self.req_id,
             model=self.model,
@@ -122,7 +133,25 @@ class ResponseFormat:
             usage=self._usage(),
             prompt_token_ids=self.prompt_ids,
             kv_transfer_params=out.kv_transfer_params,
+            **extra,
         )
+
+    def _prompt_logprobs(self, out: RequestOutput) -> P.PromptLogprobs | None:
+        """A request's prompt logprobs in vLLM's JSON shape (token texts decoded here when
+        the engine had no tokenizer to do it)."""
+        if out.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(t): P.PromptLogprob(
+                    logprob=lp.logprob, rank=lp.rank, decoded_token=self._text(t, lp)
+                )
+                for t, lp in entry.items()
+            }
+            for entry in out.prompt_logprobs
+        ]
 
     def chunk(
         self,

@@ -95,6 +95,7 @@ class _SamplingRequest(_Lenient):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # extension: choices[].token_ids and prompt_token_ids
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("stop")
@@ -108,6 +109,12 @@ class _SamplingRequest(_Lenient):
     @classmethod
     def _no_bias(cls, value: dict | None) -> dict | None:
         return _neutral(value or None, (None,), "logit_bias")
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> _SamplingRequest:
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available when stream is true (as vLLM)")
+        return self
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -236,6 +243,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt_logprobs entry (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt token {token id (a string, as JSON keys are): PromptLogprob}; None for the first
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -243,6 +262,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -292,6 +312,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
 

@@ -38,8 +38,9 @@ from hybridserve.server.async_engine import (
     RequestTimeout,
 )
 from hybridserve.server.chat import ChatTemplate, ChatTemplateError
+from hybridserve.server.choices import Choices
 from hybridserve.server.errors import APIError
-from hybridserve.server.formatting import ResponseFormat
+from hybridserve.server.formatting import DONE, ResponseFormat, sse
 from hybridserve.server.metrics import RequestTrack, ServerMetrics
 from hybridserve.tokenizer import Tokenizer
 
@@ -55,11 +56,6 @@ class ServingSettings:
     vocab_size: int
     request_timeout_s: float | None = None
     retry_after_s: int = 1
-
-
-def _sse(body: BaseModel) -> str:
-    """One server-sent event."""
-    return f"data: {body.model_dump_json()}\n\n"
 
 
 class OpenAIServing:
@@ -163,6 +159,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
@@ -276,47 +273,11 @@ class OpenAIServing:
         arrival: float,
         request: Request,
     ) -> Response:
-        """Several choices (a batch of prompts, or `n` > 1): one engine request each (the
-        j-th of a prompt with seed + j when a seed is given), run together and answered as
-        one response, choices indexed prompt by prompt, usage summed. Not streamed."""
+        """Several choices (a batch of prompts, or `n` > 1): `server.choices`."""
+        choices = Choices(self, req, prompts, params, model, prefix, arrival)
         if req.stream:
-            raise APIError(
-                400,
-                "streaming several choices (n > 1 or a batch of prompts) is not supported: "
-                "send stream=false, or one request per choice",
-                param="n" if req.n > 1 else "prompt",
-            )
-
-        async def one(ids: list[int], p: SamplingParams, j: int) -> dict | None:
-            req_id, stream, track = await self._start(req, ids, p.choice(j), prefix, arrival)
-            final = await self._collect(stream, track, request)
-            fmt = ResponseFormat(req, req_id, model, self.tokenizer, ids)
-            return None if final is None else fmt.full(final).model_dump()
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(one(ids, p, j))
-                    for ids, p in zip(prompts, params, strict=True)
-                    for j in range(req.n)
-                ]
-        except* APIError as errors:
-            raise errors.exceptions[0] from None
-        parts = [t.result() for t in tasks]
-        if any(part is None for part in parts):  # the client left
-            return Response(status_code=499)
-        merged = parts[0]
-        merged["choices"] = [{**part["choices"][0], "index": i} for i, part in enumerate(parts)]
-        completion = sum(part["usage"]["completion_tokens"] for part in parts)
-        prompt_tokens = sum(len(ids) for ids in prompts)
-        merged["usage"] = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-        if len(prompts) > 1:
-            merged["prompt_token_ids"] = None  # each choice's prompt differs
-        return JSONResponse(merged, headers={"X-Request-Id": merged["id"]})
+            return await choices.stream()
+        return await choices.collect(request)
 
     async def _collect(
         self, stream: RequestStream, track: RequestTrack, request: Request
@@ -356,37 +317,48 @@ class OpenAIServing:
             stream.close()
             track.done()
 
-    async def _events(
+    async def _chunks(
         self, stream: RequestStream, track: RequestTrack, fmt: ResponseFormat
-    ) -> AsyncIterator[str]:
-        """Server-sent events of one streamed request (see the module docstring)."""
-        tail: list[str] = []
+    ) -> AsyncIterator[BaseModel]:
+        """The bodies one streamed request sends (see the module docstring): chat's role
+        chunk, the deltas, then an abort chunk (timeout) or an error body if it ended so."""
+        tail: list[BaseModel] = []
         try:
             if fmt.chat:
-                yield _sse(fmt.chunk(P.DeltaMessage(role="assistant", content=""), None, None))
+                yield fmt.chunk(P.DeltaMessage(role="assistant", content=""), None, None)
             async for out in stream:
                 track.observe(out)
                 chunk = fmt.delta(out)
                 if chunk is not None:
-                    yield _sse(chunk)
-            if fmt.include_usage:
-                tail.append(_sse(fmt.usage_chunk()))
+                    yield chunk
         except RequestTimeout:
             track.done("timeout")
-            tail.append(_sse(fmt.abort_chunk("timeout")))
+            tail.append(fmt.abort_chunk("timeout"))
         except (EngineDead, EngineStopped) as err:
             track.done("error")
             info = P.ErrorInfo(message=str(err), type="service_unavailable", code="engine_error")
-            tail.append(_sse(P.ErrorResponse(error=info)))
+            tail.append(P.ErrorResponse(error=info))
         except Exception as err:  # a stream must end with an event, not a cut connection
             log.exception("%s failed while streaming", track.req_id)
             track.done("error")
             message = f"internal error: {type(err).__name__}"
             info = P.ErrorInfo(message=message, type="internal_error", code="internal_error")
-            tail.append(_sse(P.ErrorResponse(error=info)))
+            tail.append(P.ErrorResponse(error=info))
         finally:
             stream.close()
             track.done()
-        for event in tail:
-            yield event
-        yield "data: [DONE]\n\n"
+        for body in tail:
+            yield body
+
+    async def _events(
+        self, stream: RequestStream, track: RequestTrack, fmt: ResponseFormat
+    ) -> AsyncIterator[str]:
+        """Server-sent events of one streamed request: its bodies, the usage chunk when asked
+        (not after an error), then [DONE]."""
+        failed = False
+        async for body in self._chunks(stream, track, fmt):
+            failed = isinstance(body, P.ErrorResponse)
+            yield sse(body)
+        if fmt.include_usage and not failed:
+            yield sse(fmt.usage_chunk())
+        yield DONE

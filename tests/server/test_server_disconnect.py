@@ -35,6 +35,21 @@ def test_streamed_request_is_aborted_when_the_client_leaves(server):
     assert 1 <= counter(after, generated) - counter(before, generated) < 240
 
 
+def test_streamed_choices_are_all_aborted_when_the_client_leaves(server):
+    """n = 3 streamed: leaving after the first chunk aborts all three requests."""
+    before = server.metrics()
+    with httpx.Client(timeout=120) as client:
+        body = {**LONG, "stream": True, "n": 3, "temperature": 1.0}
+        with client.stream("POST", server.url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break
+    assert server.idle(timeout=30), server.stats()
+    finished = "hybridserve:request_success_total"
+    aborted = [counter(m, finished, finished_reason="abort") for m in (before, server.metrics())]
+    assert aborted[1] - aborted[0] == 3
+
+
 def test_non_streamed_request_is_aborted_when_the_client_leaves(server):
     before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):  # 240 tokens take longer: the client gives up

@@ -272,3 +272,64 @@ def test_openai_client_n_and_batched_prompts(server, offline):
     )  # fmt: skip
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.usage.completion_tokens == 10
+
+
+def test_streamed_choices_interleave_and_sum_usage(server, offline):
+    """n = 2 over a batch of two prompts, streamed: each index's deltas concatenate to the
+    offline text of its seed; one id; the usage chunk sums the choices."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    stream = client.completions.create(
+        model="default", prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=1.0, seed=5,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts, finish, ids, usage = {}, {}, set(), None
+    for chunk in stream:
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert len(ids) == 1 and sorted(texts) == [0, 1, 2, 3]
+    completion = 0
+    for i, prompt in enumerate(PROMPTS[:2]):
+        for j in range(2):
+            params = SamplingParams(temperature=1.0, max_tokens=6, seed=5 + j)
+            want = offline.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            assert texts[2 * i + j] == want.text and finish[2 * i + j] == want.finish_reason
+            completion += len(want.token_ids)
+    prompt_tokens = sum(len(offline.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, completion)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4,
+        temperature=1.0, seed=3, stream=True,
+    )  # fmt: skip
+    roles = [c.index for chunk in chat for c in chunk.choices if c.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+
+
+def test_prompt_logprobs_match_offline(server, offline):
+    """vLLM's `prompt_logprobs` extension: completions put them on each choice, chat on the
+    response; the offline engine's values; refused when streamed (as vLLM)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    got = client.completions.create(
+        model="default", prompt=PROMPTS[1], max_tokens=2, temperature=0, n=2,
+        extra_body={"prompt_logprobs": 2},
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    want = offline.generate(PROMPTS[1], params, use_tqdm=False)[0].prompt_logprobs
+    for choice in got.model_dump()["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(want) and entries[0] is None
+        for mine, theirs in zip(entries[1:], want[1:], strict=True):
+            assert mine.keys() == {str(t) for t in theirs}
+            for t, lp in theirs.items():
+                assert mine[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+                assert mine[str(t)]["rank"] == lp.rank
+                assert mine[str(t)]["decoded_token"] == lp.decoded_token
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    chat = _post(server, "/v1/chat/completions", body).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2
+    body = {"prompt": "x", "prompt_logprobs": 1, "stream": True}
+    streamed = _post(server, "/v1/completions", body)
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.text
