@@ -35,7 +35,7 @@ from hybridserve.core.scheduler import PoolTooSmall, Scheduler
 from hybridserve.output_processor import OutputProcessor
 from hybridserve.outputs import RequestOutput, local_prefill_output
 from hybridserve.prompt_check import check_request, prompt_token_ids
-from hybridserve.runner.compile_cache import enable_compilation_cache
+from hybridserve.runner.compile_cache import enable_compilation_cache, programs
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.inflight import InFlight
 from hybridserve.runner.multimodal_prompt import multimodal_prompt
@@ -381,7 +381,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         """Scheduler and cache statistics (queue sizes, cache usage, prefix-cache hit rate;
-        prompt tokens computed and the program slots they took, padding included)."""
+        prompt tokens computed and the program slots they took, padding included; the XLA
+        programs this process compiled and loaded from the compilation cache)."""
         s = self.scheduler
         stats = {"num_running": s.num_running, "num_waiting": s.num_waiting, "cache_usage": s.usage}
         prefix = s.prefix_cache_stats
@@ -395,6 +396,8 @@ class LLMEngine:
         )
         pool = s.coordinator.pool  # page 0 is the null page
         stats.update(num_pages_total=pool.num_pages - 1, num_pages_used=pool.num_used)
+        compiled = programs()  # this process's XLA programs: compiled, or loaded from disk
+        stats.update(programs_compiled=compiled["compiled"], programs_loaded=compiled["loaded"])
         if self.connector is not None:
             stats.update(self.connector.stats(), held_requests=len(s.held))
         if self.runner.spec is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from hybridserve.entrypoints import DEFAULT_MODEL
 
@@ -44,6 +45,21 @@ def test_generate_takes_token_ids():
     assert len(outs) == 2 and all(len(json.loads(line.split(": ", 1)[1])) == 3 for line in outs)
     bad = _run("generate", "--prompt-token-ids", "[1, 'a']")
     assert bad.returncode == 2 and "--prompt-token-ids" in bad.stderr
+
+
+def test_help_imports_no_jax():
+    """`--help` of every command answers without importing JAX (which alone takes seconds)."""
+    for command in ([], ["serve"], ["generate"], ["proxy"], ["convert"], ["bench", "serve"]):
+        code = (
+            "import sys\nfrom hybridserve import cli\ntry:\n"
+            f"    cli.main({[*command, '--help']!r})\nexcept SystemExit:\n    pass\n"
+            "print('JAX', 'jax' in sys.modules)"
+        )
+        begin = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        elapsed = time.perf_counter() - begin
+        assert proc.stdout.strip().endswith("JAX False"), (command, proc.stdout[-300:])
+        assert elapsed < 1.0, f"{command} --help took {elapsed:.2f} s"
 
 
 def test_help_and_bad_input():

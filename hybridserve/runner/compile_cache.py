@@ -6,6 +6,10 @@ Where: `$JAX_COMPILATION_CACHE_DIR` or jax's own setting when either is given; e
 `$XDG_CACHE_HOME/hybridserve/jax` (`~/.cache/hybridserve/jax`). Every program is stored, the
 small ones between the steps too (jax's default keeps only those that compile for a second or
 more; `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` still rules where it is set).
+
+`programs()` counts the programs this process has handed to the backend so far, and how many
+of them came from the cache (jax's monitoring events): a warmed-up engine that compiles while
+serving met a shape its warmup did not cover.
 """
 
 from __future__ import annotations
@@ -15,9 +19,28 @@ import os
 from pathlib import Path
 
 import jax
+from jax import monitoring
 
 log = logging.getLogger(__name__)
 ENV = "HYBRIDSERVE_COMPILATION_CACHE"
+_COUNTS = {"programs": 0, "loaded": 0}
+_LISTENING = False
+
+
+def _on_duration(name: str, secs: float, **kw: object) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":  # compiled, or loaded from disk
+        _COUNTS["programs"] += 1
+
+
+def _on_event(name: str, **kw: object) -> None:
+    if name == "/jax/compilation_cache/cache_hits":
+        _COUNTS["loaded"] += 1
+
+
+def programs() -> dict[str, int]:
+    """{"compiled": n, "loaded": m}: the programs this process compiled, and loaded from the
+    persistent cache, since the first engine started (counted from then on)."""
+    return {"compiled": _COUNTS["programs"] - _COUNTS["loaded"], "loaded": _COUNTS["loaded"]}
 
 
 def default_dir() -> Path | None:
@@ -37,7 +60,13 @@ def default_dir() -> Path | None:
 
 def enable_compilation_cache() -> Path | None:
     """Point JAX's persistent cache at `default_dir()` (before the first compile); returns it.
-    A directory that cannot be created leaves the cache off, with a warning."""
+    A directory that cannot be created leaves the cache off, with a warning. Starts the counts
+    of `programs()`."""
+    global _LISTENING
+    if not _LISTENING:
+        monitoring.register_event_duration_secs_listener(_on_duration)
+        monitoring.register_event_listener(_on_event)
+        _LISTENING = True
     where = default_dir()
     if where is None or jax.config.jax_compilation_cache_dir == str(where):
         return where

@@ -97,17 +97,31 @@ def serve(
     import asyncio
 
     from hybridserve.engine import LLMEngine, wants_warmup
+    from hybridserve.runner.compile_cache import default_dir, programs
     from hybridserve.server.app import build_app
     from hybridserve.server.async_engine import AsyncEngine
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # jax logs its probe of every platform it was built for (TPU: "Unable to initialize
+    # backend 'tpu'", with libtpu installed) at INFO: not news on a CPU or GPU server
+    if log_level.lower() not in ("debug", "trace"):
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     engine = LLMEngine(engine_config, progress=False, warmup=False)
     if wants_warmup(engine_config):  # before the socket is bound: healthy means compiled
         start = time.perf_counter()
         count = engine.warmup(progress=True)
-        log.info("compiled %d step programs in %.1f s", count, time.perf_counter() - start)
+        done = programs()
+        log.info(
+            "warmed up %d step programs in %.1f s (%d XLA programs compiled, %d loaded from the "
+            "compilation cache %s)",
+            count,
+            time.perf_counter() - start,
+            done["compiled"],
+            done["loaded"],
+            default_dir() or "(off)",
+        )
     async_engine = AsyncEngine(engine, max_queue=max_queue)
     app = build_app(async_engine, settings, chat_template)
     sock = bind(host, port)

@@ -55,9 +55,7 @@ def test_prompt_logprobs_match_transformers_over_chunks(model):
     ids = np.random.default_rng(5).integers(3, 512, size=21).tolist()  # chunks 8 + 8 + 5
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3, n=2)
-    plain, out = llm.generate(
-        [{"prompt_token_ids": ids}] * 2, [greedy, scored], use_tqdm=False
-    )
+    plain, out = llm.generate([{"prompt_token_ids": ids}] * 2, [greedy, scored], use_tqdm=False)
     assert plain.prompt_logprobs is None
     _check(out.prompt_logprobs, ids, _reference(hf, ids), 3)
     # the sampled tokens are the ones the packed programs give; both choices agree (greedy)

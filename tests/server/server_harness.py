@@ -32,15 +32,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 class ServerProcess:
     """`python -m hybridserve.cli serve --port 0 ARGS`, its log in `log_dir/NAME.log`."""
 
-    def __init__(self, args: list[str], log_dir: Path, name: str = "server") -> None:
+    def __init__(
+        self, args: list[str], log_dir: Path, name: str = "server", env: dict | None = None
+    ) -> None:
         self.args = args
         self.log_path = Path(log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.env = env  # the process's environment (default: this one's)
 
     def launch(self) -> ServerProcess:
         """Start the process (see `wait_ready`)."""
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env = {**(os.environ if self.env is None else self.env), "JAX_PLATFORMS": "cpu"}
         command = [sys.executable, "-m", "hybridserve.cli", "serve", "--port", "0", *self.args]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -9,6 +9,8 @@ the same prompt to the decode instance, whose greedy output must equal offline g
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import httpx
 import pytest
@@ -159,3 +161,34 @@ def test_a_one_token_prompt_is_prefilled_on_the_decode_side(pair, offline):
         False,
     )[0]
     assert reply.json()["choices"][0]["token_ids"] == want.outputs[0].token_ids
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads) and of its live children."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def test_an_idle_pair_costs_under_two_percent_of_a_core(pair):
+    """After the traffic above, 30 s with nothing in flight: the NIXL progress threads and the
+    handshake listeners wait instead of polling."""
+    prefill, decode = pair
+    assert prefill.idle(timeout=30) and decode.idle(timeout=30)
+    pids = [prefill.proc.pid, decode.proc.pid]
+    before, start = [_cpu_seconds(p) for p in pids], time.monotonic()
+    time.sleep(30)
+    spent = [_cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
+    share = [s / (time.monotonic() - start) for s in spent]
+    message = f"idle share of a core: prefill {share[0]:.3f}, decode {share[1]:.3f}"
+    assert max(share) < 0.02, message
