@@ -406,6 +406,10 @@ class CacheCoordinator:
             if self.pool.register((g, h), tables[g][0]):
                 self.stats.num_snapshots += 1
 
+    def unit_hash(self, request: Request, k: int) -> bytes:
+        """The prefix-cache key of the request's unit k (its tokens up to (k + 1) * unit)."""
+        return self._unit_hashes(request, k + 1)[k]
+
     def _unit_hashes(self, request: Request, num_units: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.req_id, [])
         if len(hashes) < num_units:

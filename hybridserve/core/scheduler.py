@@ -15,7 +15,9 @@ budget) and a seat limit (`max_num_seqs` running requests):
      When the pool has no room, the most recently arrived running request not yet scheduled in
      this step (possibly the one being scheduled) is preempted: its pages are freed, it goes
      back to the front of the waiting queue and later recomputes its prompt and outputs.
-  2. If nothing was preempted, waiting requests are admitted in order (prefix lookup first)
+  2. If nothing was preempted, waiting requests are admitted in order (prefix lookup first;
+     one whose next prefix unit a running prompt is computing now stays in the queue, and
+     those behind it may pass it, until that unit is cached)
      while both budgets, seats and pages last.
 Prefill and decode chunks mix in one step. `update_from_output(out, sampled)` then advances the
 requests, appends sampled tokens, applies the stop rules and frees finished requests.
@@ -172,31 +174,38 @@ class Scheduler(RemoteKV):
                 budget -= n
                 if not decoding:
                     prompt_budget -= n
-        while (
-            not preempted
-            and self.waiting
-            and min(budget, prompt_budget) > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            if request.hold_pages and self.held_pages >= self.max_held_pages:
-                break  # held pages are bounded: wait for reads, releases or leases to end
-            hit = self.coordinator.find_prefix(request)
-            limit = min(budget, prompt_budget)
-            n = self._chunk_size(request, hit.num_tokens, limit)
-            if not self.coordinator.allocate_slots(request, n, hit):
-                if self.running or self._pages_will_return():
-                    break
-                # alone in the pool: copy sources hold extra pages, so try without the hit
-                n = self._chunk_size(request, 0, limit)
-                if not self.coordinator.allocate_slots(request, n, self.coordinator.miss()):
-                    raise self._too_small(request, n)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            chunks.append(self._chunk(request, n))
-            budget -= n
-            prompt_budget -= n
+        deferred: list[Request] = []  # waiting for a prefix that a running prompt computes
+        try:
+            while (
+                not preempted
+                and self.waiting
+                and min(budget, prompt_budget) > 0
+                and len(self.running) < self.config.max_num_seqs
+            ):
+                request = self.waiting[0]
+                if request.hold_pages and self.held_pages >= self.max_held_pages:
+                    break  # held pages are bounded: wait for reads, releases or leases to end
+                hit = self.coordinator.find_prefix(request)
+                if self._prefix_in_flight(request, hit.num_tokens):
+                    deferred.append(self.waiting.popleft())  # read that prefix once it is cached
+                    continue
+                limit = min(budget, prompt_budget)
+                n = self._chunk_size(request, hit.num_tokens, limit)
+                if not self.coordinator.allocate_slots(request, n, hit):
+                    if self.running or self._pages_will_return():
+                        break
+                    # alone in the pool: copy sources hold extra pages, so try without the hit
+                    n = self._chunk_size(request, 0, limit)
+                    if not self.coordinator.allocate_slots(request, n, self.coordinator.miss()):
+                        raise self._too_small(request, n)
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                chunks.append(self._chunk(request, n))
+                budget -= n
+                prompt_budget -= n
+        finally:
+            self.waiting.extendleft(reversed(deferred))  # at the front, in their order
         out = SchedulerOutput(tuple(chunks), self.coordinator.take_page_copies())
         if chunks:
             self._in_flight = out
@@ -300,6 +309,32 @@ class Scheduler(RemoteKV):
                 request.draft_token_ids = [int(t) for t in tokens]
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _prefix_in_flight(self, request: Request, hit: int) -> bool:
+        """Does a running prompt (a sibling of `n` > 1, or one that starts alike) share more
+        of `request`'s prefix than its hit of `hit` tokens, and still have to compute or
+        snapshot some of it? Then `request` stays queued (those behind it may pass) and reads
+        that prefix once it is cached, instead of computing the same tokens beside it. The wait
+        ends when the other prompt is past the shared part (or has left)."""
+        unit, coordinator = self.prefix_unit, self.coordinator
+        if not coordinator.caching or request.skip_prefix_cache:
+            return False
+        k = hit // unit  # the first unit the hit lacks
+        limit = (request.num_tokens - 1) // unit  # the units a hit may cover
+        for other in self.running:
+            top = min(limit, other.num_prompt_tokens // unit)
+            if top <= k or other.num_computed_tokens > top * unit:
+                continue  # nothing more to share, or past all of it
+            if other.num_cached_tokens % coordinator.block_size:
+                continue  # its first page mixes cached and own units: no hit runs through it
+            m = k  # units shared (the hashes chain: equal at m means equal before)
+            while m < top and coordinator.unit_hash(request, m) == coordinator.unit_hash(other, m):
+                m += 1
+            # `<=`: a prompt that stopped at the shared part's end has its state snapshot
+            # copied at the end of this schedule, cached after the step
+            if m > k and other.num_computed_tokens <= m * unit:
+                return True
+        return False
 
     @staticmethod
     def _decoding(request: Request) -> bool:

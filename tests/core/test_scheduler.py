@@ -264,6 +264,34 @@ def test_prefix_hit_with_mamba_groups_shares_pages_and_copies_state():
     assert stats.hit_rate == pytest.approx(72 / 137)
 
 
+def test_a_prompt_waits_for_the_prefix_a_running_prompt_computes():
+    """n > 1 (the same prompt several times) and prompts that start alike: a request whose
+    next prefix unit a running prompt is computing stays queued until it is cached (others
+    pass it), then reads it; without prefix caching nothing waits."""
+    for caching, kinds in ((True, "MA"), (True, "A"), (False, "MA")):
+        config = make_config(max_prefill_chunk=16, prefix_unit=4, enable_prefix_caching=caching)
+        s = Scheduler(make_plan(kinds), 64, config)
+        runner = ContentRunner(s)
+        prompt = list(range(1, 35))
+        for name in ("a", "b"):
+            s.add_request(make_request(name, prompt, max_tokens=2))
+        s.add_request(make_request("other", [60] * 9, max_tokens=2))
+        out, _ = run_step(s, runner)
+        if not caching:
+            assert [c.req_id for c in out.chunks] == ["a", "b", "other"]
+            drain(s, runner)
+            continue
+        assert [c.req_id for c in out.chunks] == ["a", "other"]  # b waits, other passes it
+        assert [r.req_id for r in s.waiting] == ["b"]
+        while s.requests["b"].status is RequestStatus.WAITING:
+            run_step(s, runner)
+            check_invariants(s)
+        assert s.requests["b"].num_cached_tokens == 32  # a's prompt up to its last unit
+        finished = drain(s, runner)
+        for r in finished:
+            assert r.output_token_ids == reference(r, config.max_model_len)[0]
+
+
 def test_no_hit_without_a_snapshot():
     config = make_config(max_prefill_chunk=32, prefix_unit=4)
     s = Scheduler(make_plan("MA"), 64, config)
@@ -274,8 +302,11 @@ def test_no_hit_without_a_snapshot():
     s.add_request(make_request("c", a_prompt[:36] + [99] * 4))
     out, _ = run_step(s, runner)  # the snapshot at 32 is taken in this very step
     a_state = out.chunks[0].block_tables[0][0]
-    assert spans(out)[1] == ("c", 0, 32, False) and s.requests["c"].num_cached_tokens == 0
     assert [src for src, _ in out.page_copies] == [a_state]
+    # so c has no hit yet: it waits for a (which computes what c would read), then reads 32
+    assert spans(out) == [("a", 32, 8, True)] and s.requests["c"].status is RequestStatus.WAITING
+    out, _ = run_step(s, runner)
+    assert ("c", 32, 8, True) in spans(out) and s.requests["c"].num_cached_tokens == 32
     drain(s, runner)
     s.add_request(make_request("b", a_prompt[:20] + [98] * 10))  # units 0..4: no state there
     out, _ = run_step(s, runner)

@@ -4,6 +4,7 @@ conversations comes back in order, and a template can be given."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_shapes import SERVED
 
@@ -69,3 +70,20 @@ def test_n_completions_per_prompt(llm):
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="one completion per request"):
         llm.engine.add_request("def ", params)
+
+
+def test_n_completions_share_the_prompt_through_the_prefix_cache(llm):
+    """The n requests of one prompt compute it once: the siblings wait for the first to cache
+    it (`Scheduler._prefix_in_flight`), then read it; the tokens are what each gets alone on
+    an engine without prefix caching."""
+    ids = np.random.default_rng(2).integers(3, 500, size=150).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=9, n=4, ignore_eos=True)
+    before = llm.stats()["prefill_tokens"]
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    computed = llm.stats()["prefill_tokens"] - before
+    assert computed < 2 * len(ids), f"{computed} prompt tokens computed for n = 4"
+    plain = LLM(DEFAULT_MODEL, **SERVED, progress=False, enable_prefix_caching=False)
+    for i, c in enumerate(out.outputs):
+        alone = SamplingParams(temperature=1.0, max_tokens=4, seed=9 + i, ignore_eos=True)
+        want = plain.generate({"prompt_token_ids": ids}, alone, use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == want.token_ids
