@@ -59,7 +59,7 @@ class LLMEngine:
         """`warmup`: compile every step program now (`warmup`); None: unless
         `config.enforce_eager` or `$HYBRIDSERVE_WARMUP=0`."""
         self.config = config
-        enable_compilation_cache()
+        self.compilation_cache = enable_compilation_cache()  # its directory, or None: off
         self.runner = make_runner(
             config.model,
             dtype=config.dtype,

@@ -97,7 +97,6 @@ def serve(
     import asyncio
 
     from hybridserve.engine import LLMEngine, wants_warmup
-    from hybridserve.runner.compile_cache import default_dir, programs
     from hybridserve.server.app import build_app
     from hybridserve.server.async_engine import AsyncEngine
 
@@ -112,15 +111,15 @@ def serve(
     if wants_warmup(engine_config):  # before the socket is bound: healthy means compiled
         start = time.perf_counter()
         count = engine.warmup(progress=True)
-        done = programs()
+        done = engine.stats()
         log.info(
             "warmed up %d step programs in %.1f s (%d XLA programs compiled, %d loaded from the "
             "compilation cache %s)",
             count,
             time.perf_counter() - start,
-            done["compiled"],
-            done["loaded"],
-            default_dir() or "(off)",
+            done["programs_compiled"],
+            done["programs_loaded"],
+            engine.compilation_cache or "(off)",
         )
     async_engine = AsyncEngine(engine, max_queue=max_queue)
     app = build_app(async_engine, settings, chat_template)
