@@ -34,14 +34,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from hybridserve.entrypoints.jsonl import read_prompts, write_outputs
     from hybridserve.entrypoints.llm import LLM
     from hybridserve.sampling_params import SamplingParams
 
-    start = time.perf_counter()
-    kwargs = engine_kwargs(args)
-    if args.no_warmup:
-        kwargs["enforce_eager"] = True
-    llm = LLM(args.model, progress=True, **kwargs)
+    given = [bool(args.prompts), args.input is not None, args.prompt_token_ids is not None]
+    if sum(given) > 1:
+        raise ValueError("give prompts, --prompt-token-ids or --input, not several")
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -50,12 +49,21 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    load_s = time.perf_counter() - start  # the engine's warmup compiled every program
-    start = time.perf_counter()
-    prompts = args.prompts
+    prompts, per_prompt = args.prompts or ["def "], params
     if args.prompt_token_ids is not None:
         prompts = [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if args.input is not None:  # read (and checked) before the model loads
+        prompts, per_prompt = read_prompts(args.input, params)
+    start = time.perf_counter()
+    kwargs = engine_kwargs(args)
+    if args.no_warmup:
+        kwargs["enforce_eager"] = True
+    llm = LLM(args.model, progress=True, **kwargs)
+    load_s = time.perf_counter() - start  # the engine's warmup compiled every program
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, per_prompt, use_tqdm=len(prompts) > 8)
+    if args.output is not None:
+        write_outputs(args.output, outputs)
     total_s = time.perf_counter() - start
     for out in outputs:
         if out.prompt is None:  # token ids in, token ids (and text, with a tokenizer) out
@@ -280,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate continuations of PROMPTS with a local model and "
         "print the text, time to first token and tokens/s.",
     )
-    gen.add_argument("prompts", nargs="*", default=["def "], help='prompts (default: "def ")')
+    gen.add_argument(
+        "prompts", nargs="*", help='prompts (default: "def ", unless --input or --prompt-token-ids)'
+    )
     _add_engine_args(gen)
     gen.add_argument(
         "--prompt-token-ids",
@@ -290,11 +300,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts as token ids instead of text: [1, 2, 3] or [[1, 2], [3, 4]] (a model "
         "without a tokenizer takes only these)",
     )
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--input",
+        metavar="FILE.jsonl",
+        help='prompts from a JSON-lines file: {"prompt": "..."} or {"prompt_token_ids": [...]} '
+        'a line, with any SamplingParams field for that prompt beside it ("max_tokens": 8)',
+    )
+    gen.add_argument(
+        "--output",
+        metavar="FILE.jsonl",
+        help="also write one JSON line per prompt: prompt, prompt_token_ids, text, token_ids, "
+        "finish_reason, time to first token",
+    )
+    gen.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)"
+    )
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="(default: 0.95)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
+    gen.add_argument("--seed", type=int, default=0, help="(default: 0)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     gen.add_argument(
         "--no-warmup",

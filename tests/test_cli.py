@@ -47,6 +47,28 @@ def test_generate_takes_token_ids():
     assert bad.returncode == 2 and "--prompt-token-ids" in bad.stderr
 
 
+def test_generate_reads_and_writes_json_lines(tmp_path):
+    """`generate --input FILE.jsonl --output FILE.jsonl`: per-line prompts and settings in,
+    one result line per prompt out (in order); a bad line is refused before the model loads."""
+    lines = [
+        {"prompt": "def ", "max_tokens": 3, "ignore_eos": True},
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "ignore_eos": True, "temperature": 0},
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    proc = _run("generate", "--input", str(src), "--output", str(dst), "--no-warmup")
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [len(g["token_ids"]) for g in got] == [3, 2]
+    assert got[0]["prompt"] == "def " and got[1]["prompt_token_ids"] == [5, 6, 7]
+    assert all(g["finish_reason"] == "length" for g in got)
+    src.write_text('{"prompt": "a"}\n{"prompt": "b", "max_tokenz": 3}\n')
+    bad = _run("generate", "--input", str(src))
+    assert bad.returncode == 2 and "line 2" in bad.stderr and "max_tokenz" in bad.stderr
+    both = _run("generate", "x", "--input", str(src))
+    assert both.returncode == 2 and "not several" in both.stderr
+
+
 def test_help_imports_no_jax():
     """`--help` of every command answers without importing JAX (which alone takes seconds)."""
     for command in ([], ["serve"], ["generate"], ["proxy"], ["convert"], ["bench", "serve"]):
