@@ -79,6 +79,10 @@ class Choices:
         fmt = ResponseFormat(self.req, req_id, self.model, self.serving.tokenizer, ids)
         return stream, track, fmt
 
+    async def respond(self, request: Request) -> Response:
+        """The response: streamed when the request asks, else one JSON body."""
+        return await (self.stream() if self.req.stream else self.collect(request))
+
     async def collect(self, request: Request) -> Response:
         """The whole response as one JSON body (every choice run together)."""
 

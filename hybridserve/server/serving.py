@@ -180,7 +180,8 @@ class OpenAIServing:
             params.append(self._params(req, len(ids), req.max_tokens, default=16))
         if len(prompts) == 1 and req.n == 1:
             return await self._serve(req, prompts[0], params[0], model, "cmpl", arrival, request)
-        return await self._serve_choices(req, prompts, params, model, "cmpl", arrival, request)
+        choices = Choices(self, req, prompts, params, model, "cmpl", arrival)  # server.choices
+        return await choices.respond(request)
 
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -196,7 +197,8 @@ class OpenAIServing:
         params = self._params(req, len(ids), max_tokens, default=self.settings.max_model_len)
         if req.n == 1:
             return await self._serve(req, ids, params, model, "chatcmpl", arrival, request)
-        return await self._serve_choices(req, [ids], [params], model, "chatcmpl", arrival, request)
+        choices = Choices(self, req, [ids], [params], model, "chatcmpl", arrival)
+        return await choices.respond(request)
 
     async def _start(
         self,
@@ -262,22 +264,6 @@ class OpenAIServing:
         if final is None:  # the client left: nobody reads this
             return Response(status_code=499)
         return JSONResponse(fmt.full(final).model_dump(), headers={"X-Request-Id": req_id})
-
-    async def _serve_choices(
-        self,
-        req: P.CompletionRequest | P.ChatCompletionRequest,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        model: str,
-        prefix: str,
-        arrival: float,
-        request: Request,
-    ) -> Response:
-        """Several choices (a batch of prompts, or `n` > 1): `server.choices`."""
-        choices = Choices(self, req, prompts, params, model, prefix, arrival)
-        if req.stream:
-            return await choices.stream()
-        return await choices.collect(request)
 
     async def _collect(
         self, stream: RequestStream, track: RequestTrack, request: Request
