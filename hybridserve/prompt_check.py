@@ -65,7 +65,5 @@ def check_request(
         )
     if mm is not None and (not mm.positions or mm.positions[-1] >= len(ids)):
         raise ValueError("multimodal positions do not fit the prompt (use prepare_multimodal)")
-    if mm is not None and kv_transfer_params:
-        raise ValueError("multimodal prompts do not run disaggregated yet")
     if kv_transfer_params and not isinstance(kv_transfer_params, dict):
         raise ValueError("kv_transfer_params must be an object")

@@ -83,6 +83,11 @@ class DisaggregatedLLM:
                 worker.stop()
 
     def _ids(self, prompt: str | dict) -> list[int]:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError(
+                "DisaggregatedLLM does not carry multimodal inputs to its workers yet: run "
+                "them on LLM engines with a kv_transfer_config (prefill, then decode)"
+            )
         if isinstance(prompt, dict):
             return [int(t) for t in prompt["prompt_token_ids"]]
         if self.tokenizer is None:
@@ -106,11 +111,11 @@ class DisaggregatedLLM:
         params = dataclasses.asdict(sampling_params or SamplingParams())
         pending: dict[str, tuple[Any, list[int]]] = {}
         first_token: dict[str, float] = {}  # req_id -> when the prefill's token arrived
+        every_ids = [self._ids(prompt) for prompt in prompts]  # all checked before any is sent
         start = time.perf_counter()
-        for prompt in prompts:
+        for prompt, ids in zip(prompts, every_ids, strict=True):
             req_id = f"pd-{self._counter}"
             self._counter += 1
-            ids = self._ids(prompt)
             pending[req_id] = (prompt, ids)
             self.prefill.send(
                 {

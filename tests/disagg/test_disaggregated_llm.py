@@ -119,6 +119,9 @@ def test_processes_match_colocated_and_leases_free_unread_pages(hf_checkpoint, c
             assert m.num_generated_tokens == GREEDY.max_tokens and m.tokens_per_second > 0
         stats = llm.stats()
         assert stats["decode"]["pages_used"] == 0
+        image = {"prompt_token_ids": [5, 6], "multi_modal_data": {"image": [[[0.0]]]}}
+        with pytest.raises(ValueError, match="does not carry multimodal inputs"):
+            llm.generate([image], GREEDY, use_tqdm=False)  # refused, not sent as plain text
         # A decode side that never reads: the prefill worker frees the pages when the lease ends.
         llm.prefill.send(
             {

@@ -32,7 +32,13 @@ from pd_polling import polling
 from hybridserve import LLM
 from hybridserve.config import KVTransferConfig, MtpConfig
 from tests.disagg.test_pd_engines import GREEDY, _pd_generate
-from tests.hybridserve.inkling_models import build_inkling, save_inkling, tiny_inkling
+from tests.hybridserve.inkling_models import (
+    AUDIO_TOKEN,
+    IMAGE_TOKEN,
+    build_inkling,
+    save_inkling,
+    tiny_inkling,
+)
 
 CHUNK = 32  # every engine's max_prefill_chunk
 COMMON = dict(**INKLING, progress=False)
@@ -203,6 +209,32 @@ def test_kv_both_engines_and_a_failed_transfer_register_only_valid_units(engines
     plain += [p + out[:8] + [11, 12] for p, out in zip(prompts, expected, strict=True)]
     assert greedy(b, plain) == greedy(cold, plain)
     for engine in (a.engine, b.engine):
+        assert engine.scheduler.coordinator.pool.num_used == 0
+
+
+def test_multimodal_prompts_run_disaggregated(engines):
+    """An image and a waveform in the prompt, through prefill then decode: both engines run the
+    encoders on the same inputs (the decode side's computed tokens may hold placeholders: here
+    the last prompt token is one, and its embedding comes from the decode side's encoder); the
+    tokens equal a colocated engine's, and a text-only prompt's differ."""
+    prefill, decode, cold = engines("prefill"), engines("decode"), engines("cold")
+    rng = np.random.default_rng(9)
+    data = {"image": [rng.normal(size=(8, 12, 3)).astype(np.float32)]}
+    data["audio"] = rng.normal(size=300).astype(np.float32)
+    ids = rng.integers(10, 4000, 20).tolist() + [IMAGE_TOKEN, 21, 22, AUDIO_TOKEN]
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": data}
+    (want,) = cold.generate([prompt], GREEDY, use_tqdm=False)
+    (out,) = prefill.generate(
+        [{**prompt, "kv_transfer_params": {"do_remote_decode": True}}], GREEDY, use_tqdm=False
+    )
+    handed = {**prompt, "kv_transfer_params": out.kv_transfer_params}
+    with polling(prefill):
+        (got,) = decode.generate([handed], GREEDY, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.prompt_token_ids == want.prompt_token_ids  # the placeholders expanded alike
+    text_only = greedy(cold, [ids])[0]
+    assert text_only != want.outputs[0].token_ids, "weak test: the inputs changed nothing"
+    for engine in (prefill.engine, decode.engine):
         assert engine.scheduler.coordinator.pool.num_used == 0
 
 
