@@ -23,22 +23,28 @@ from hybridserve.runner.request_state import RequestState, RequestStates
 from hybridserve.runner.sampler import logprobs
 
 
+def _span(state: RequestState, chunk: ScheduledChunk) -> tuple[int, int]:
+    """The prompt positions [first, last] whose tokens `chunk` scores and `state` has not yet
+    (empty when first > last)."""
+    first = max(chunk.start + 1, len(state.prompt_logprobs) + 1)
+    last = min(chunk.start + len(chunk.token_ids), state.num_prompt_tokens - 1)
+    return first, last
+
+
 def wants_scores(state: RequestState | None, chunk: ScheduledChunk) -> bool:
     """Does `chunk` hold prompt positions whose next token `state` has yet to score?"""
     if state is None or state.prompt_logprobs is None:
         return False
-    first = len(state.prompt_logprobs) + 1  # the next prompt position to score
-    return chunk.start < state.num_prompt_tokens - 1 and chunk.start + len(chunk.token_ids) >= first
+    first, last = _span(state, chunk)
+    return first <= last
 
 
 def score_chunk(state: RequestState, chunk: ScheduledChunk, logits: jax.Array) -> None:
     """Append the entries of the prompt tokens `chunk` scores to `state.prompt_logprobs`;
     `logits` [T', V] (T' >= len(chunk.token_ids), padded rows after) are the chunk's positions'
     logits."""
-    have = state.prompt_logprobs
-    start, n_prompt = chunk.start, state.num_prompt_tokens
-    first = max(start + 1, len(have) + 1)
-    last = min(start + len(chunk.token_ids), n_prompt - 1)
+    have, start = state.prompt_logprobs, chunk.start
+    first, last = _span(state, chunk)
     if first > last:
         return
     targets = np.zeros(logits.shape[0], np.int32)  # row i scores the token at start + i + 1
@@ -57,11 +63,12 @@ def score_chunk(state: RequestState, chunk: ScheduledChunk, logits: jax.Array) -
 
 def take_scores(state: RequestState) -> list[dict[int, Logprob] | None] | None:
     """The request's prompt logprobs once, when every prompt token is scored (None before,
-    after, and for a request that did not ask)."""
+    after, and for a request that did not ask). Taking them ends the scoring: a preempted
+    request that computes its prompt again scores nothing."""
     have = state.prompt_logprobs
-    if have is None or state.prompt_logprobs_sent or len(have) < state.num_prompt_tokens - 1:
+    if have is None or len(have) < state.num_prompt_tokens - 1:
         return None
-    state.prompt_logprobs_sent = True
+    state.prompt_logprobs = None
     return [None, *have]
 
 

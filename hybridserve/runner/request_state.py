@@ -29,9 +29,9 @@ class RequestState:
     token_ids: list[int]  # prompt, then every token sampled for it
     num_prompt_tokens: int
     stop_ids: frozenset[int]  # EOS and stop tokens: masked while short of min_tokens
-    # `runner.prompt_logprobs`: entries of prompt positions 1.. scored so far (None: not asked)
+    # `runner.prompt_logprobs`: entries of prompt positions 1.. scored so far (None: not asked,
+    # or already handed out)
     prompt_logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs_sent: bool = False
 
     @property
     def num_outputs(self) -> int:
