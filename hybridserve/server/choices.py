@@ -102,7 +102,7 @@ class Choices:
         merged = parts[0]
         choices = [{**part["choices"][0], "index": i} for i, part in enumerate(parts)]
         n = self.req.n
-        for i, choice in enumerate(choices):  # a prompt's logprobs come with its first choice
+        for i, choice in enumerate(choices):  # its first choice computed the prompt logprobs
             if "prompt_logprobs" in choice:
                 choice["prompt_logprobs"] = choices[i - i % n]["prompt_logprobs"]
         merged["choices"] = choices
