@@ -269,12 +269,11 @@ class ChaosRun:
         self.gate = asyncio.Event()
         self.gate.set()
         queue = collections.deque(self._specs())
-        # idle connections expire before the proxy's keep-alive (5 s) closes them: a request
-        # sent on a connection the server is closing meets a reset (the HTTP keep-alive race,
-        # seen after an outage paused every worker for longer than that)
-        limits = httpx.Limits(
-            max_connections=256, max_keepalive_connections=128, keepalive_expiry=2.0
-        )
+        # one connection per request: a request sent on a kept-alive connection that the proxy
+        # is closing meets a reset (the HTTP keep-alive race). Expiring idle connections early
+        # is not enough: on a loaded machine the proxy's loop can lag seconds behind, so its
+        # keep-alive timer fires after a request that arrived in time (seen in CI)
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
         timeout = httpx.Timeout(self.plan.request_timeout_s + 10, connect=10)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             await self._prepare(client)
