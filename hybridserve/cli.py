@@ -234,8 +234,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=1 << 20,
-        help="largest request body; larger ones get HTTP 413 (default: 1 MiB)",
+        default=8 << 20,
+        help="largest request body (images and audio come inline, base64); larger ones get "
+        "HTTP 413 (default: 8 MiB)",
     )
     p.add_argument(
         "--drain-timeout",

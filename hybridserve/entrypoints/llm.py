@@ -22,6 +22,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hybridserve.chat_prompt import piece_encoder, render_chat
+from hybridserve.chat_template import ChatTemplate
 from hybridserve.config import EngineConfig
 from hybridserve.engine import LLMEngine
 from hybridserve.entrypoints import DEFAULT_MODEL
@@ -174,20 +176,25 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages;
-        content a string or a list of {"type": "text", "text"} parts) or a list of them, each
-        rendered by the model's chat template (or the jinja source `chat_template`) as the
-        server renders it; outputs in conversation order (vLLM's `LLM.chat`)."""
+        content a string or a list of OpenAI parts: text, `image_url` with a data URL,
+        `input_audio` with base64 WAV) or a list of them, each rendered by the model's chat
+        template (or the jinja source `chat_template`) as the server renders it
+        (`hybridserve.chat_prompt`); outputs in conversation order (vLLM's `LLM.chat`)."""
         batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            tokenizer.apply_chat_template(
-                [_flat_message(m) for m in conversation],
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-            )
-            for conversation in batch
-        ]
+        template = tokenizer.chat_template
+        if chat_template is not None:  # another source, the model's special tokens
+            template = ChatTemplate(chat_template, template.special_tokens)
+        prompts: list[Prompt] = []
+        for conversation in batch:
+            chat = render_chat(conversation, template, self.engine.model_config,
+                               add_generation_prompt)  # fmt: skip
+            if not chat.media:
+                prompts.append(chat.text)
+                continue
+            bos = template.special_tokens.get("bos_token")
+            ids = chat.token_ids(piece_encoder(tokenizer, bos))
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": chat.multi_modal_data()})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate_stream(
@@ -231,15 +238,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _flat_message(message: dict) -> dict:
-    """A chat message with its content as one string (text parts joined by newlines)."""
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = [part.get("text", "") for part in content if isinstance(part, dict)]
-        message = {**message, "content": "\n".join(texts)}
-    return message
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:

@@ -1,8 +1,9 @@
 """Multimodal prompts: placeholder expansion and the embeddings that replace placeholders.
 
-A prompt dict may carry `"multi_modal_data": {"image": images, "audio": waveforms}` (one array
-or a list each; images [H, W, C] with H and W multiples of the patch, waveforms 1-D at the
-config's sample rate). Each image becomes (H/P) * (W/P) embeddings, each waveform one per
+A prompt dict may carry `"multi_modal_data": {"image": images, "audio": waveforms}` (one item
+or a list each; images [H, W, C] arrays with H and W multiples of the patch, or PIL images / image
+files' bytes, taken as [0, 1] pixels (`hybridserve.media`); waveforms 1-D at the config's sample
+rate). Each image becomes (H/P) * (W/P) embeddings, each waveform one per
 frame. The prompt holds the placeholder token of each kind either once per item (expanded here
 to the item's count) or already once per embedding; items fill their kind's placeholders in
 order. Anything else is a ValueError that says what the prompt should hold.
@@ -16,18 +17,29 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hybridserve import media
 from hybridserve.config import ModelConfig
 from hybridserve.core.request import MultimodalInput
 
 KINDS = ("image", "audio")
 
 
-def _items(data: dict, kind: str) -> list[np.ndarray]:
+def _items(data: dict, kind: str, cfg: ModelConfig) -> list[np.ndarray]:
     value = data.get(kind)
     if value is None:
         return []
-    items = [value] if isinstance(value, np.ndarray) else list(value)
+    single = isinstance(value, np.ndarray | bytes) or hasattr(value, "convert")  # PIL image
+    items = [value] if single else list(value)
+    if kind == "image" and cfg.vision is not None:  # PIL images / file bytes: [0, 1] pixels
+        channels = cfg.vision.channels
+        items = [v if isinstance(v, np.ndarray) else _image(v, channels) for v in items]
     return [np.asarray(v, np.float32) for v in items]
+
+
+def _image(item: object, channels: int) -> object:
+    if isinstance(item, bytes) or hasattr(item, "convert"):
+        return media.image_array(item, channels)
+    return item
 
 
 def _count(cfg: ModelConfig, kind: str, item: np.ndarray) -> int:
@@ -46,22 +58,21 @@ def _count(cfg: ModelConfig, kind: str, item: np.ndarray) -> int:
     return max(1, math.ceil((item.shape[0] - a.n_fft) / a.hop) + 1)
 
 
-def multimodal_prompt(
-    ids: Sequence[int],
-    data: dict,
-    cfg: ModelConfig,
-    embed: Callable[[str, np.ndarray], np.ndarray],
-) -> tuple[list[int], MultimodalInput]:
-    """(expanded token ids, the embeddings at their placeholders) for `data` (see the module
-    docstring); `embed(kind, item)` computes one item's embeddings [n, D]."""
+_Plan = dict[int, tuple[str, list[np.ndarray], list[int]]]
+
+
+def expand_placeholders(
+    ids: Sequence[int], data: dict, cfg: ModelConfig
+) -> tuple[list[int], _Plan]:
+    """(token ids with one placeholder per embedding, placeholder id -> (kind, items, their
+    embedding counts)): the checks of `multimodal_prompt` without running an encoder."""
     unknown = sorted(set(data) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown multi_modal_data keys {unknown}; known: {list(KINDS)}")
     ids = list(ids)
-    plan: dict[int, tuple[str, list[np.ndarray], list[int]]] = {}
-    digest = hashlib.sha256()
+    plan: _Plan = {}
     for kind in KINDS:
-        items = _items(data, kind)
+        items = _items(data, kind, cfg)
         if not items:
             continue
         enc = cfg.vision if kind == "image" else cfg.audio
@@ -81,6 +92,20 @@ def multimodal_prompt(
                 f"{len(items)} {kind} item(s) need one each, or {sum(counts)} (one per embedding)"
             )
         plan[enc.placeholder_id] = (kind, items, counts)
+    return ids, plan
+
+
+def multimodal_prompt(
+    ids: Sequence[int],
+    data: dict,
+    cfg: ModelConfig,
+    embed: Callable[[str, np.ndarray], np.ndarray],
+) -> tuple[list[int], MultimodalInput]:
+    """(expanded token ids, the embeddings at their placeholders) for `data` (see the module
+    docstring); `embed(kind, item)` computes one item's embeddings [n, D]."""
+    ids, plan = expand_placeholders(ids, data, cfg)
+    digest = hashlib.sha256()
+    for kind, items, _ in plan.values():
         for item in items:
             digest.update(kind.encode() + str(item.shape).encode() + item.tobytes())
     positions, rows = [], []

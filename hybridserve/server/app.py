@@ -68,7 +68,7 @@ class ServerSettings:
     authentication; `header_timeout_s` / `body_timeout_s`: see `listener.py` and `body.py`."""
 
     model_names: tuple[str, ...] = ("default",)
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 8 << 20
     request_timeout_s: float | None = 600.0
     drain_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
@@ -116,6 +116,7 @@ def build_app(
             max_model_len=core.max_model_len,
             vocab_size=core.model_config.vocab_size,
             request_timeout_s=settings.request_timeout_s,
+            model_config=core.model_config,
         ),
         metrics,
     )

@@ -147,8 +147,11 @@ class AsyncEngine:
         req_id: str,
         kv_transfer_params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        multi_modal_data: dict | None = None,
     ) -> RequestStream:
-        """Admit a request and queue it in the engine (see steps 2 and 4 of the lifecycle)."""
+        """Admit a request and queue it in the engine (see steps 2 and 4 of the lifecycle).
+        `multi_modal_data`: images / audio for the prompt's placeholders (the engine thread
+        runs the encoders, `LLMEngine.prepare_multimodal`)."""
         if not self.accepting or self._loop is None:
             raise NotAccepting(
                 "the server is shutting down" if self.dead is None else "the engine died"
@@ -163,8 +166,9 @@ class AsyncEngine:
         self._live.add(req_id)
         stream = RequestStream(self, req_id, outputs)
         self._commands.put(
-            Add(req_id, prompt, params, kv_transfer_params, deadline, outputs, verdict)
-        )
+            Add(req_id, prompt, params, kv_transfer_params, deadline, outputs, verdict,
+                multi_modal_data)
+        )  # fmt: skip
         if self.dead is not None:  # the thread died after our check: nobody will answer
             self._drain_adds(EngineDead("the engine failed"))
         try:
@@ -293,8 +297,11 @@ class AsyncEngine:
 
     def _add(self, command: Add) -> None:
         try:
+            prompt, mm = command.prompt, None
+            if command.multi_modal_data:
+                prompt, mm = self.engine.prepare_multimodal(prompt, command.multi_modal_data)
             self.engine.add_request(
-                command.prompt, command.params, command.req_id, command.kv_transfer_params
+                prompt, command.params, command.req_id, command.kv_transfer_params, mm
             )
         except Exception as err:  # a bad request: the engine must not keep any of it
             self.engine.abort_request(command.req_id)

@@ -63,9 +63,11 @@ class Choices:
         model: str,
         prefix: str,
         arrival: float,
+        media: dict | None = None,
     ) -> None:
         self.serving, self.req, self.model = serving, req, model
         self.prefix, self.arrival = prefix, arrival
+        self.media = media  # multi_modal_data of a chat prompt (its one prompt)
         # (prompt, settings) of each choice, in response order
         pairs = zip(prompts, params, strict=True)
         self.todo = [(ids, p.choice(j)) for ids, p in pairs for j in range(req.n)]
@@ -74,7 +76,7 @@ class Choices:
 
     async def _start(self, ids: list[int], params: SamplingParams) -> tuple:
         req_id, stream, track = await self.serving._start(
-            self.req, ids, params, self.prefix, self.arrival
+            self.req, ids, params, self.prefix, self.arrival, self.media
         )
         fmt = ResponseFormat(self.req, req_id, self.model, self.serving.tokenizer, ids)
         return stream, track, fmt

@@ -41,6 +41,7 @@ class Add:
     deadline: float | None  # time.monotonic()
     outputs: asyncio.Queue
     verdict: asyncio.Future
+    multi_modal_data: dict | None = None  # the engine thread runs the encoders
 
 
 @dataclasses.dataclass

@@ -309,8 +309,9 @@ def add_proxy_parser(subcommands: Any) -> argparse.ArgumentParser:
     prx.add_argument(
         "--max-body-bytes",
         type=int,
-        default=1 << 20,
-        help="largest request body; larger ones get HTTP 413 (default: 1 MiB)",
+        default=8 << 20,
+        help="largest request body (images and audio come inline, base64); larger ones get "
+        "HTTP 413 (default: 8 MiB)",
     )
     add_http_args(prx, upstream=True)
     prx.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -187,9 +187,36 @@ def _one_prompt(value: Any) -> bool:
     return isinstance(value, str) or (_is_ids(value) and bool(value) or value == [])
 
 
-class ContentPart(_Strict):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Strict):
+    url: str  # a data URL: data:image/png;base64,...
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """An image as a base64 data URL (`hybridserve.media`: [0, 1] pixels)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+class InputAudio(_Strict):
+    data: str  # base64 of the file
+    format: str  # "wav" (`chat_prompt.AUDIO_FORMATS`)
+
+
+class AudioPart(_Strict):
+    """A WAV file, base64, at the model's sample rate."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Strict):
@@ -198,12 +225,19 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def text(self) -> str:
-        """The content as one string (text parts joined by newlines)."""
+        """The text of the content (text parts joined by newlines; media parts left out)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def as_dict(self) -> dict[str, Any]:
+        """`{"role", "content"}` as `chat_prompt.render_chat` takes it."""
+        content = self.content
+        if isinstance(content, list):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        return {"role": self.role, "content": content}
 
 
 class ChatCompletionRequest(_SamplingRequest):

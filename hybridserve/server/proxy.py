@@ -150,7 +150,7 @@ def run_proxy(
     api_key: str | None = None,
     upstream_api_key: str | None = None,
     limits: HTTPLimits | None = None,
-    max_body_bytes: int = 1 << 20,
+    max_body_bytes: int = 8 << 20,
 ) -> int:
     """Serve the proxy until SIGTERM/SIGINT; logs `listening on http://HOST:PORT` once bound.
     `upstream_api_key` defaults to `api_key`."""

@@ -108,7 +108,7 @@ class ProxyState:
         health_timeout_s: float = 5.0,
         unhealthy_after: int = 3,
         upstream_api_key: str | None = None,
-        max_body_bytes: int = 1 << 20,
+        max_body_bytes: int = 8 << 20,
         body_timeout_s: float | None = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:

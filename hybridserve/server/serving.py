@@ -24,8 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from hybridserve.chat_prompt import piece_encoder, render_chat
+from hybridserve.config import ModelConfig
 from hybridserve.disagg.params import Forbidden
 from hybridserve.outputs import RequestOutput
+from hybridserve.runner.multimodal_prompt import expand_placeholders
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.server import protocol as P
 from hybridserve.server.async_engine import (
@@ -56,6 +59,7 @@ class ServingSettings:
     vocab_size: int
     request_timeout_s: float | None = None
     retry_after_s: int = 1
+    model_config: ModelConfig | None = None  # its encoders (None: text only)
 
 
 class OpenAIServing:
@@ -186,19 +190,48 @@ class OpenAIServing:
     async def chat(self, req: P.ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         model = self.model_name(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.chat_template.render(messages, req.add_generation_prompt)
-        except ChatTemplateError as err:
-            raise APIError(400, str(err), param="messages") from err
-        ids = await self._encode(text, "messages")
+        ids, media = await self._chat_prompt(req)
         self._check_prompt(ids, "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._params(req, len(ids), max_tokens, default=self.settings.max_model_len)
         if req.n == 1:
-            return await self._serve(req, ids, params, model, "chatcmpl", arrival, request)
-        choices = Choices(self, req, [ids], [params], model, "chatcmpl", arrival)
+            return await self._serve(req, ids, params, model, "chatcmpl", arrival, request, media)
+        choices = Choices(self, req, [ids], [params], model, "chatcmpl", arrival, media)
         return await choices.respond(request)
+
+    async def _chat_prompt(self, req: P.ChatCompletionRequest) -> tuple[list[int], dict | None]:
+        """(token ids, multi_modal_data or None) of the conversation (`chat_prompt`): the
+        placeholders already one per embedding; media are decoded off the event loop."""
+        cfg = self.settings.model_config
+        messages = [m.as_dict() for m in req.messages]
+        has_media = any(
+            isinstance(m.content, list) and any(not isinstance(p, P.TextPart) for p in m.content)
+            for m in req.messages
+        )
+        try:
+            if has_media and cfg is None:
+                raise ValueError("this server takes no images or audio")
+            render = (self.chat_template, cfg, req.add_generation_prompt)
+            prompt = (
+                await asyncio.to_thread(render_chat, messages, *render)
+                if has_media
+                else (render_chat(messages, *render))
+            )
+        except ChatTemplateError as err:
+            raise APIError(400, str(err), param="messages") from err
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
+        if not prompt.media:
+            return await self._encode(prompt.text, "messages"), None
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids", param="messages")
+        encode = piece_encoder(self.tokenizer, self.chat_template.special_tokens.get("bos_token"))
+        data = prompt.multi_modal_data()
+        try:
+            ids, _ = expand_placeholders(prompt.token_ids(encode), data, cfg)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
+        return ids, data
 
     async def _start(
         self,
@@ -207,6 +240,7 @@ class OpenAIServing:
         params: SamplingParams,
         prefix: str,
         arrival: float,
+        media: dict | None = None,
     ) -> tuple[str, RequestStream, RequestTrack]:
         """Admit one engine request: (req_id, its stream, its metrics tracker); the engine's
         refusals as API errors."""
@@ -216,7 +250,7 @@ class OpenAIServing:
         )
         try:
             stream = await self.engine.add_request(
-                ids, params, req_id, kv, timeout_s=self.settings.request_timeout_s
+                ids, params, req_id, kv, self.settings.request_timeout_s, media
             )
         except QueueFull as err:
             retry = {"Retry-After": str(self.settings.retry_after_s)}
@@ -246,8 +280,9 @@ class OpenAIServing:
         prefix: str,
         arrival: float,
         request: Request,
+        media: dict | None = None,
     ) -> Response:
-        req_id, stream, track = await self._start(req, ids, params, prefix, arrival)
+        req_id, stream, track = await self._start(req, ids, params, prefix, arrival, media)
         fmt = ResponseFormat(req, req_id, model, self.tokenizer, ids)
         if req.stream:
             events = self._events(stream, track, fmt)
