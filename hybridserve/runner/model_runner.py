@@ -32,6 +32,7 @@ from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import PENDING_TOKEN, ScheduledChunk, SchedulerOutput
 from hybridserve.layers.step_input import StepInput
 from hybridserve.models.hybrid import HybridModel
+from hybridserve.runner.draft_chain import draft_chain
 from hybridserve.runner.inflight import InFlight, fill_pending, pending_slots
 from hybridserve.runner.input_batch import BatchArrays, bucket, build_batch, pack_ints, unpack_ints
 from hybridserve.runner.logit_rows import gather_rows
@@ -96,10 +97,10 @@ class ModelRunner(ScratchLogits):
         )
         self._replicated = replicated
         self._fill = jax.jit(fill_pending, out_shardings=replicated)
-        self._mtp = jax.jit(
-            self._mtp_forward,
+        self._chain = jax.jit(
+            lambda leaves, regions, *args, k: draft_chain(self._model(leaves), regions, *args, k),
             donate_argnums=(1,),
-            static_argnames=("head",),
+            static_argnames=("k",),
             out_shardings=(replicated, regions_out),
         )
         self._embed_fns: dict[str, object] = {}
@@ -160,21 +161,6 @@ class ModelRunner(ScratchLogits):
             idx = jnp.clip(idx, 0, hidden.shape[1] - 1)
             picked = jnp.take_along_axis(hidden, idx[..., None], axis=1)  # [B, n, D]
         return (model.logits(picked, keep_hidden), hidden if keep_hidden else None), regions
-
-    def _mtp_forward(
-        self,
-        leaves: list[jax.Array],
-        regions: list,
-        hidden: jax.Array,
-        tokens: jax.Array,
-        inputs: StepInput,
-        head: int,
-    ) -> tuple[tuple[jax.Array, jax.Array], list]:
-        model = self._model(leaves)
-        states, regions = model.mtp_step(head, hidden, tokens, inputs, regions)
-        rows = jnp.arange(states.shape[0])
-        last = states[rows, jnp.maximum(inputs.lengths - 1, 0)]
-        return (states, model.mtp_logits(head, last)), regions
 
     def embed_multimodal(self, kind: str, item: np.ndarray) -> np.ndarray:
         """One image ([H, W, C]) or waveform ([S]) -> its embeddings [n, D] (float32, host)."""
@@ -259,22 +245,30 @@ class ModelRunner(ScratchLogits):
         )
         return lowered.compile()
 
-    def mtp(
-        self, head: int, hidden: jax.Array, tokens: np.ndarray, batch: BatchArrays
-    ) -> tuple[jax.Array, jax.Array]:
-        """MTP head `head` over `batch`'s rows (its `lengths`: the valid positions): `hidden`
-        [B, T, D] the previous head's (or the base model's) states, `tokens` [B, T] the tokens
-        head + 1 places ahead. Returns the head's states [B, T, D] and its proposal logits
-        [B, V] at each (padded) row's last valid position."""
-        (states, logits), self.regions = self._mtp(
+    def draft_chain(
+        self,
+        hidden: jax.Array,
+        window: np.ndarray,
+        known: np.ndarray,
+        batch: BatchArrays,
+        sampling: tuple[jax.Array, ...] | None,
+        keys: jax.Array | None,
+        k: int,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """k MTP heads over `batch`'s rows in one program (`runner.draft_chain`): drafts
+        [B, k] and, with `sampling`, the distributions they were drawn from [B, k, V]."""
+        (drafts, q), self.regions = self._chain(
             self._leaves,
             self.regions,
             hidden,
-            jnp.asarray(tokens),
+            jnp.asarray(window),
+            jnp.asarray(known),
             self._inputs(batch),
-            head=head,
+            sampling,
+            keys,
+            k=k,
         )
-        return states, logits
+        return drafts, q
 
     # -- requests and their tokens ----------------------------------------------------------
 

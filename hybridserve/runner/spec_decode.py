@@ -15,7 +15,8 @@ Lifecycle of one engine step (`LLMEngine.step` with a `SpeculativeConfig` of k t
      per token), and no Mamba layer may be present (its state would have moved past them).
   5. `propose` (`ModelRunner.propose(rooms)`, for the requests still running, each with the
      room its max_tokens and max_model_len leave): the MTP heads run over each program's
-     rows, from the base model's hidden states at the accepted positions (their outputs fill
+     rows as one device program per program (`runner.draft_chain`: all k heads, their
+     lm_head and the draws, the drafts fed forward on the device), from the base model's hidden states at the accepted positions (their outputs fill
      the heads' own KV caches), head i
      reading the token i + 1 places ahead (the accepted tokens, then this round's proposals);
      each row's last position gives head i's draft. Greedy rows take the argmax, others draw
@@ -39,7 +40,7 @@ from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import SchedulerOutput
 from hybridserve.outputs import Logprob
 from hybridserve.runner.request_state import RequestState, RequestStates, StepLogits
-from hybridserve.runner.sampler import filtered_logits, sample_requests
+from hybridserve.runner.sampler import sample_requests
 from hybridserve.runner.speculative import verify, verify_greedy
 from hybridserve.sampling_params import SamplingParams
 
@@ -160,61 +161,45 @@ class SpecDecoder:
         return self._drafts
 
     def _mtp_pass(self, p, sampled, requests, params, keys, want) -> None:
-        batch, rows = p.batch, len(p.chunks)
+        """The draft chain over one program's rows (`runner.draft_chain`): the window of each
+        row holds its tokens from the pass's first position on (the accepted drafts and the
+        token sampled after them included), then room for the k drafts."""
+        batch, k = p.batch, self.k
         lengths = np.zeros_like(batch.lengths)
-        seqs, drafts = [], [[] for _ in range(rows)]
+        span = batch.tokens.shape[1]
+        window = np.zeros((batch.tokens.shape[0], span + k + 1), np.int32)
+        known = np.zeros(batch.tokens.shape[0], np.int32)
+        starts = batch.positions[:, 0]
         for i, c in enumerate(p.chunks):
+            req = requests.get(c.req_id)
+            if req is None:
+                continue
             got = sampled.get(c.req_id)
             accepted = len(got) - 1 if got and c.num_drafts else 0
-            req = requests.get(c.req_id)
-            lengths[i] = 0 if req is None else len(c.token_ids) - c.num_drafts + accepted
-            seqs.append(np.asarray(req.token_ids if req else [], np.int32))
-        starts = batch.positions[:, 0]
+            lengths[i] = len(c.token_ids) - c.num_drafts + accepted
+            seq = np.asarray(req.token_ids[starts[i] : starts[i] + span + k + 1], np.int32)
+            window[i, : len(seq)] = seq
+            known[i] = len(seq)
         valid = dataclasses.replace(batch, lengths=lengths)
-        qs: dict[int, list[jax.Array]] = {i: [] for i in range(rows)}
-        hidden = p.hidden
         live = [i for i, c in enumerate(p.chunks) if want.get(c.req_id)]
         rows_params = [SamplingParams(temperature=0.0)] * batch.tokens.shape[0]
-        row_keys = [None] * batch.tokens.shape[0]
         for i in live:
             rows_params[i] = params[p.chunks[i].req_id]
-            row_keys[i] = keys[p.chunks[i].req_id]
-        greedy = all(x.temperature <= 0 for x in rows_params)
-        if not greedy:
-            row_keys = [k if k is not None else row_keys[live[0]] for k in row_keys]
-            arrays = _param_arrays(rows_params)
-        for head in range(self.k):
-            tokens = self._look_ahead(head, starts, seqs, drafts, batch)
-            hidden, logits = self.runner.mtp(head, hidden, tokens, valid)
-            if not live:  # the heads still run: their caches cover these positions
-                continue
-            if greedy:  # greedy rows keep no distribution (their check ignores it)
-                picked = np.asarray(_argmax(logits))
-            else:
-                head_keys = jnp.stack([jax.random.fold_in(k, 7919 + head) for k in row_keys])
-                picked, q = _draw(logits, *arrays, head_keys)
-                picked = np.asarray(picked)
-            for i in live:
-                drafts[i].append(int(picked[i]))
-                if not greedy:
-                    qs[i].append(q[i])
+        sampling = row_keys = None
+        if any(x.temperature > 0 for x in rows_params):
+            sampling = _param_arrays(rows_params)
+            first = keys[p.chunks[live[0]].req_id]
+            by_row = {i: keys[p.chunks[i].req_id] for i in live}
+            row_keys = jnp.stack([by_row.get(i, first) for i in range(len(rows_params))])
+        drafts, q = self.runner.draft_chain(p.hidden, window, known, valid, sampling, row_keys, k)
+        if not live:  # the heads still ran: their caches cover these positions
+            return
+        drafts = np.asarray(drafts)
         for i in live:
             r = p.chunks[i].req_id
-            greedy_row = params[r].temperature <= 0
-            self._set(r, drafts[i][: want[r]], qs[i][: want[r]], greedy_row)
-
-    @staticmethod
-    def _look_ahead(head, starts, seqs, drafts, batch) -> np.ndarray:
-        """[B, T] the token head + 1 places after each position (0 past the known ones)."""
-        tokens = np.zeros_like(batch.tokens)
-        t = tokens.shape[1]
-        for i, seq in enumerate(seqs):
-            seq = np.concatenate([seq, np.asarray(drafts[i], np.int32)])
-            if not len(seq):
-                continue
-            idx = starts[i] + np.arange(t) + head + 1
-            tokens[i] = np.where(idx < len(seq), seq[np.minimum(idx, len(seq) - 1)], 0)
-        return tokens
+            n = want[r]
+            qs = None if q is None or params[r].temperature <= 0 else list(q[i, :n])
+            self._set(r, drafts[i, :n].tolist(), qs, params[r].temperature <= 0)
 
     def _set(
         self, req_id: str, drafts: list[int], qs: list[jax.Array] | None, greedy: bool
@@ -249,9 +234,6 @@ class SpecDecoder:
         }
 
 
-_argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1))
-
-
 def _param_arrays(params: list[SamplingParams]) -> tuple[jax.Array, ...]:
     return (
         jnp.asarray([p.temperature for p in params], jnp.float32),
@@ -259,23 +241,3 @@ def _param_arrays(params: list[SamplingParams]) -> tuple[jax.Array, ...]:
         jnp.asarray([p.top_p for p in params], jnp.float32),
         jnp.asarray([p.min_p for p in params], jnp.float32),
     )
-
-
-@jax.jit
-def _draw(
-    logits: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    min_p: jax.Array,
-    keys: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Draft tokens from head logits [B, V] under each row's sampling params, and the
-    distributions they were drawn from (one-hot for greedy rows)."""
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = filtered_logits(logits, temperature, top_k, top_p, min_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-    hot = temperature[:, None] <= 0
-    picked = jnp.where(hot[:, 0], greedy, drawn)
-    q = jnp.where(hot, jax.nn.one_hot(greedy, logits.shape[-1]), jax.nn.softmax(scaled, -1))
-    return picked, q

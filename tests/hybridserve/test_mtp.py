@@ -111,6 +111,38 @@ def test_perfect_drafts_yield_k_plus_one_tokens_per_step(ckpt, plain):
     assert s["spec_tokens_per_step"] == K + 1
 
 
+def test_eight_heads_draft_in_one_program_per_step(tmp_path):
+    """k = 8 (9 tokens per step): the real heads' greedy output equals plain decoding, an
+    oracle's perfect drafts give 9 tokens a step, and each engine step runs the whole chain of
+    8 heads as one program per pass (one dispatch, not one per head)."""
+    cfg = dataclasses.replace(tiny_inkling(), mtp=MtpConfig(num_heads=8))
+    path = save_inkling(build_inkling(cfg, seed=4), cfg, tmp_path / "m8")
+    prompts, n = _prompts()[:3], 1 + 3 * 9
+    plain8 = [one_pass_greedy(_llm(path).engine.runner, p, n) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm = _llm(path, {"method": "mtp", "num_speculative_tokens": 8})
+    runner = llm.engine.runner
+    chain_calls, chain = [], runner._chain
+    runner._chain = lambda *a, **kw: chain_calls.append(kw["k"]) or chain(*a, **kw)
+    steps, step = [], llm.engine.step
+    llm.engine.step = lambda: steps.append(1) or step()
+    assert _run(llm, prompts, params) == plain8
+    # one chain per program of a step (a step runs at most a prefill and a decode program)
+    assert set(chain_calls) == {8} and len(steps) <= len(chain_calls) <= 2 * len(steps)
+    assert llm.engine.stats()["spec_num_drafts"] > 8 * len(prompts)
+    replay = {tuple(p): out for p, out in zip(prompts, plain8, strict=True)}
+
+    def oracle(ids: list[int], k: int) -> list[int]:
+        prompt = next(p for p in replay if tuple(ids[: len(p)]) == p)
+        return replay[prompt][len(ids) - len(prompt) :][:k]
+
+    llm = _llm(path, {"method": "oracle", "num_speculative_tokens": 8, "oracle": oracle})
+    assert _run(llm, prompts, params) == plain8
+    s = llm.engine.stats()
+    assert s["spec_num_drafts"] == s["spec_num_accepted"] == 3 * 8 * len(prompts)
+    assert s["spec_tokens_per_step"] == 9
+
+
 @dataclasses.dataclass(frozen=True)
 class Chain:
     """The first three output tokens after `PROMPT` at temperature 1 with top-k `TOP_K`, of
