@@ -13,6 +13,13 @@ the accepted ones), and a window w_r of its tokens from the step's first positio
   w[r, known_r + i] = d_i                     so head i + 1 reads draft i as its look-ahead
 With the drafts written into the window on the device, no head waits for the host: the chain is
 one dispatch, and the host reads k tokens per row once.
+
+Re-run from the hidden-state cache. A head's KV at position t depends on the tokens up to
+t + i + 1; where those were drafts, it is only a guess, wrong once a draft is rejected. Those are
+the k - 1 positions before the next step's first one. So the chain keeps, per request, the base
+model's hidden states g_0 of its last k - 1 computed positions (`history`: [S, k - 1, D], one
+slot per request), and each row starts s_r <= k - 1 positions early (where its slot holds
+them): the heads recompute those positions with the tokens now known, then the step's own.
 """
 
 from __future__ import annotations
@@ -45,6 +52,29 @@ def draw_drafts(
     return picked.astype(jnp.int32), q
 
 
+def with_history(
+    hidden: jax.Array, history: jax.Array, read: jax.Array, shift: jax.Array
+) -> jax.Array:
+    """[B, m + T, D]: row r's s_r = `shift[r]` cached states (slot `read[r]` of `history`
+    [S, m, D]; out of range: none) before its T states, left-aligned."""
+    m = history.shape[1]
+    cached = jnp.take(history, read, axis=0, mode="fill", fill_value=0)
+    both = jnp.concatenate([cached.astype(hidden.dtype), hidden], axis=1)
+    idx = jnp.arange(both.shape[1])[None, :] + (m - shift)[:, None]
+    return jnp.take_along_axis(both, jnp.minimum(idx, both.shape[1] - 1)[..., None], axis=1)
+
+
+def keep_history(
+    history: jax.Array, ext: jax.Array, lengths: jax.Array, write: jax.Array
+) -> jax.Array:
+    """`history` with slot `write[r]` (out of range: none) set to row r's last m valid states
+    of `ext` [B, m + T, D] (`lengths`: valid states per row, the early ones included)."""
+    m = history.shape[1]
+    idx = jnp.clip(lengths[:, None] - m + jnp.arange(m)[None, :], 0, ext.shape[1] - 1)
+    last = jnp.take_along_axis(ext, idx[..., None], axis=1).astype(history.dtype)
+    return history.at[write].set(last, mode="drop")
+
+
 def draft_chain(
     model: object,
     regions: list[jax.Array],
@@ -54,16 +84,26 @@ def draft_chain(
     inputs: StepInput,
     sampling: tuple[jax.Array, ...] | None,
     keys: jax.Array | None,
+    history: tuple[jax.Array, ...] | None,
     k: int,
-) -> tuple[tuple[jax.Array, jax.Array | None], list[jax.Array]]:
+) -> tuple[tuple[jax.Array, jax.Array | None, jax.Array | None], list[jax.Array]]:
     """The chain of the module docstring, traced inside the runner's jitted program.
 
-    Args: model (a `HybridModel`); regions (the cache, replaced); hidden [B, T, D]; window
-      [B, T + k + 1] int32; known [B] int32; inputs (lengths: the valid positions per row);
-      sampling (temperature, top_k, top_p, min_p) [B] each, or None when every row is greedy;
-      keys [B] PRNG keys (None with sampling None).
-    Returns ((drafts [B, k] int32, q [B, k, V] float32 or None), regions).
+    Args: model (a `HybridModel`); regions (the cache, replaced); hidden [B, T, D] the step's
+      base states; window [B, m + T + k + 1] int32 (m = k - 1 with `history`, else 0), from each
+      row's first position (s_r early); known [B] int32; inputs (positions from s_r early;
+      lengths: the valid positions, the early ones included); sampling (temperature, top_k,
+      top_p, min_p) [B] each, or None when every row is greedy; keys [B] PRNG keys (None with
+      sampling None); history (states [S, m, D], read slots [B], shifts s [B], write slots
+      [B]) or None.
+    Returns ((drafts [B, k] int32, q [B, k, V] float32 or None, the new history states or
+    None), regions).
     """
+    kept = None
+    if history is not None:
+        states, read, shift, write = history
+        hidden = with_history(hidden, states, read, shift)
+        kept = keep_history(states, hidden, inputs.lengths, write)
     rows = jnp.arange(hidden.shape[0])
     last = jnp.maximum(inputs.lengths - 1, 0)
     span = hidden.shape[1]
@@ -82,4 +122,4 @@ def draft_chain(
         drafts.append(picked)
         window = jnp.where(cols == (known + head)[:, None], picked[:, None], window)
     q = jnp.stack(qs, axis=1) if qs else None
-    return (jnp.stack(drafts, axis=1), q), regions
+    return (jnp.stack(drafts, axis=1), q, kept), regions

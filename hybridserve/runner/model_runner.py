@@ -253,11 +253,15 @@ class ModelRunner(ScratchLogits):
         batch: BatchArrays,
         sampling: tuple[jax.Array, ...] | None,
         keys: jax.Array | None,
+        history: tuple[jax.Array, np.ndarray, np.ndarray, np.ndarray] | None,
         k: int,
-    ) -> tuple[jax.Array, jax.Array | None]:
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """k MTP heads over `batch`'s rows in one program (`runner.draft_chain`): drafts
-        [B, k] and, with `sampling`, the distributions they were drawn from [B, k, V]."""
-        (drafts, q), self.regions = self._chain(
+        [B, k], with `sampling` the distributions they were drawn from [B, k, V], and with
+        `history` (states, read slots, shifts, write slots) the new history states."""
+        if history is not None:
+            history = (history[0], *(jnp.asarray(a) for a in history[1:]))
+        (drafts, q, kept), self.regions = self._chain(
             self._leaves,
             self.regions,
             hidden,
@@ -266,9 +270,10 @@ class ModelRunner(ScratchLogits):
             self._inputs(batch),
             sampling,
             keys,
+            history,
             k=k,
         )
-        return drafts, q
+        return drafts, q, kept
 
     # -- requests and their tokens ----------------------------------------------------------
 

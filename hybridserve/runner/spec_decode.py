@@ -14,17 +14,18 @@ Lifecycle of one engine step (`LLMEngine.step` with a `SpeculativeConfig` of k t
      positions are rewritten when those positions are computed again (sconv state is cached
      per token), and no Mamba layer may be present (its state would have moved past them).
   5. `propose` (`ModelRunner.propose(rooms)`, for the requests still running, each with the
-     room its max_tokens and max_model_len leave): the MTP heads run over each program's
-     rows as one device program per program (`runner.draft_chain`: all k heads, their
-     lm_head and the draws, the drafts fed forward on the device), from the base model's hidden states at the accepted positions (their outputs fill
-     the heads' own KV caches), head i
-     reading the token i + 1 places ahead (the accepted tokens, then this round's proposals);
-     each row's last position gives head i's draft. Greedy rows take the argmax, others draw
-     from the head's filtered distribution and keep it (q) for step 3 of the next round. The
-     drafts go back to the engine, and the scheduler keeps them for the next step.
-     Head caches at positions whose look-ahead token was itself a draft are approximate
-     (they are not recomputed when that draft is rejected): that only lowers acceptance,
-     never changes the output, which step 3 makes exact.
+     room its max_tokens and max_model_len leave): per program of the step, one device
+     program runs the whole chain of k heads over its rows (`runner.draft_chain`: each head's
+     block, lm_head and draw, the drafts fed forward on the device), from the base model's
+     hidden states at the accepted positions; their outputs fill the heads' own KV caches.
+     Head i reads the token i + 1 places ahead (the accepted tokens, then this round's
+     proposals); each row's last position gives head i's draft. Greedy rows take the argmax,
+     others draw from the head's filtered distribution and keep it (q) for step 3 of the next
+     round. The drafts go back to the engine, and the scheduler keeps them for the next step.
+     Head caches at positions whose look-ahead token was a draft are guesses: each row
+     starts k - 1 positions early, from the base states the chain keeps per request (its
+     history slot), and recomputes them with the tokens now known. A wrong guess would only
+     lower acceptance, never change the output, which step 3 makes exact.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class SpecDecoder:
         self._zeros: jax.Array | None = None
         self.num_drafts = self.num_accepted = self.num_steps = 0
         self._last: tuple | None = None  # (result, out, sampled, keys) of the last step
+        # the base model's last k - 1 hidden states per request (`draft_chain`)
+        self._hist: jax.Array | None = None  # [S, k - 1, D]
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+        self._history: dict[str, tuple[int, int]] = {}  # req_id -> positions [begin, end) held
 
     def accept(
         self, result: StepLogits, out: SchedulerOutput, states: RequestStates
@@ -161,28 +167,52 @@ class SpecDecoder:
         return self._drafts
 
     def _mtp_pass(self, p, sampled, requests, params, keys, want) -> None:
-        """The draft chain over one program's rows (`runner.draft_chain`): the window of each
-        row holds its tokens from the pass's first position on (the accepted drafts and the
-        token sampled after them included), then room for the k drafts."""
+        """The draft chain over one program's rows (`runner.draft_chain`). Each row starts
+        s <= k - 1 positions early where the history holds its states there (see
+        `draft_chain`); its window holds its tokens from that position on (the accepted drafts
+        and the token sampled after them included), then room for the k drafts."""
         batch, k = p.batch, self.k
-        lengths = np.zeros_like(batch.lengths)
-        span = batch.tokens.shape[1]
-        window = np.zeros((batch.tokens.shape[0], span + k + 1), np.int32)
-        known = np.zeros(batch.tokens.shape[0], np.int32)
+        m = k - 1
+        n_rows, span = batch.tokens.shape[0], batch.tokens.shape[1] + m
+        lengths = np.zeros(n_rows, np.int32)
+        positions = np.zeros((n_rows, span), np.int32)
+        window = np.zeros((n_rows, span + k + 1), np.int32)
+        known = np.zeros(n_rows, np.int32)
         starts = batch.positions[:, 0]
+        last_row = {c.req_id: i for i, c in enumerate(p.chunks)}
+        first_row = {c.req_id: i for i, c in reversed(list(enumerate(p.chunks)))}
+        if m:
+            self._states(p.hidden)
+        read = np.full(n_rows, -1, np.int32)
+        write = read.copy()
+        shift = np.zeros(n_rows, np.int32)
         for i, c in enumerate(p.chunks):
             req = requests.get(c.req_id)
             if req is None:
                 continue
             got = sampled.get(c.req_id)
             accepted = len(got) - 1 if got and c.num_drafts else 0
-            lengths[i] = len(c.token_ids) - c.num_drafts + accepted
-            seq = np.asarray(req.token_ids[starts[i] : starts[i] + span + k + 1], np.int32)
+            start = int(starts[i])
+            slot = self._slots.get(c.req_id)
+            if m and slot is not None and first_row[c.req_id] == i:
+                begin, end = self._history.get(c.req_id, (start, -1))
+                if end == start:
+                    shift[i] = min(m, start - begin)
+                    read[i] = slot
+            begin = start - int(shift[i])
+            lengths[i] = shift[i] + len(c.token_ids) - c.num_drafts + accepted
+            positions[i] = begin + np.arange(span)
+            seq = np.asarray(req.token_ids[begin : begin + span + k + 1], np.int32)
             window[i, : len(seq)] = seq
             known[i] = len(seq)
-        valid = dataclasses.replace(batch, lengths=lengths)
+            if m and last_row[c.req_id] == i and lengths[i] > 0:
+                write[i] = self._slot(c.req_id)
+                self._history[c.req_id] = (begin, begin + int(lengths[i]))
+        ext = dataclasses.replace(
+            batch, tokens=np.zeros_like(positions), positions=positions, lengths=lengths
+        )
         live = [i for i, c in enumerate(p.chunks) if want.get(c.req_id)]
-        rows_params = [SamplingParams(temperature=0.0)] * batch.tokens.shape[0]
+        rows_params = [SamplingParams(temperature=0.0)] * n_rows
         for i in live:
             rows_params[i] = params[p.chunks[i].req_id]
         sampling = row_keys = None
@@ -190,8 +220,15 @@ class SpecDecoder:
             sampling = _param_arrays(rows_params)
             first = keys[p.chunks[live[0]].req_id]
             by_row = {i: keys[p.chunks[i].req_id] for i in live}
-            row_keys = jnp.stack([by_row.get(i, first) for i in range(len(rows_params))])
-        drafts, q = self.runner.draft_chain(p.hidden, window, known, valid, sampling, row_keys, k)
+            row_keys = jnp.stack([by_row.get(i, first) for i in range(n_rows)])
+        none = self._capacity()  # out of range: no slot read or written
+        read, write = np.where(read < 0, none, read), np.where(write < 0, none, write)
+        history = (self._hist, read, shift, write) if m else None
+        drafts, q, kept = self.runner.draft_chain(
+            p.hidden, window, known, ext, sampling, row_keys, history, k
+        )
+        if kept is not None:
+            self._hist = kept
         if not live:  # the heads still ran: their caches cover these positions
             return
         drafts = np.asarray(drafts)
@@ -200,6 +237,29 @@ class SpecDecoder:
             n = want[r]
             qs = None if q is None or params[r].temperature <= 0 else list(q[i, :n])
             self._set(r, drafts[i, :n].tolist(), qs, params[r].temperature <= 0)
+
+    # -- the hidden-state history (`draft_chain`) -------------------------------------------
+
+    def _capacity(self) -> int:
+        return 0 if self._hist is None else self._hist.shape[0]
+
+    def _states(self, hidden: jax.Array) -> jax.Array:
+        if self._hist is None:
+            self._hist = jnp.zeros((8, self.k - 1, hidden.shape[-1]), hidden.dtype)
+        return self._hist
+
+    def _slot(self, req_id: str) -> int:
+        """The history slot of `req_id` (taken on first use; the history doubles when full)."""
+        slot = self._slots.get(req_id)
+        if slot is None:
+            if not self._free:
+                old = self._capacity()
+                grown = max(8, 2 * old)
+                pad = jnp.zeros((grown - old, *self._hist.shape[1:]), self._hist.dtype)
+                self._hist = jnp.concatenate([self._hist, pad])
+                self._free = list(range(grown - 1, old - 1, -1))
+            slot = self._slots[req_id] = self._free.pop()
+        return slot
 
     def _set(
         self, req_id: str, drafts: list[int], qs: list[jax.Array] | None, greedy: bool
@@ -221,8 +281,12 @@ class SpecDecoder:
         self._q[req_id] = q
 
     def forget(self, req_id: str) -> None:
-        """Drop a finished or aborted request's draft distributions."""
+        """Drop a finished or aborted request's draft distributions and history slot."""
         self._q.pop(req_id, None)
+        self._history.pop(req_id, None)
+        slot = self._slots.pop(req_id, None)
+        if slot is not None:
+            self._free.append(slot)
 
     def stats(self) -> dict[str, float]:
         """Drafts proposed and accepted so far, and the mean tokens per verifying step."""
