@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from hybridserve import media
 from hybridserve.chat_template import ChatTemplate
 from hybridserve.config import ModelConfig
+from hybridserve.media import b64_bytes, data_url_bytes, image_array, wav_waveform
 
 AUDIO_FORMATS = ("wav",)
 
@@ -85,7 +85,7 @@ def _medium(part: dict, cfg: ModelConfig) -> tuple[str, np.ndarray]:
         url = value.get("url") if isinstance(value, dict) else value
         if not isinstance(url, str):
             raise ValueError('an image_url part needs {"image_url": {"url": "data:image/..."}}')
-        return "image", media.image_array(media.data_url_bytes(url, "image"), cfg.vision.channels)
+        return "image", image_array(data_url_bytes(url, "image"), cfg.vision.channels)
     if cfg.audio is None:
         raise ValueError("this model takes no audio (its config has no audio encoder)")
     value = part.get("input_audio")
@@ -94,8 +94,8 @@ def _medium(part: dict, cfg: ModelConfig) -> tuple[str, np.ndarray]:
     fmt = value.get("format", "wav")
     if fmt not in AUDIO_FORMATS:
         raise ValueError(f"input_audio format {fmt!r} is not supported; send {AUDIO_FORMATS}")
-    data = media.b64_bytes(value["data"], "input_audio data")
-    return "audio", media.wav_waveform(data, cfg.audio.sample_rate)
+    data = b64_bytes(value["data"], "input_audio data")
+    return "audio", wav_waveform(data, cfg.audio.sample_rate)
 
 
 def _content(message: dict, sentinel: str, found: list[tuple[str, np.ndarray]], cfg) -> str:

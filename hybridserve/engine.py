@@ -38,7 +38,7 @@ from hybridserve.prompt_check import check_request, prompt_token_ids
 from hybridserve.runner.compile_cache import enable_compilation_cache, programs
 from hybridserve.runner.factory import make_runner
 from hybridserve.runner.inflight import InFlight
-from hybridserve.runner.multimodal_prompt import multimodal_prompt
+from hybridserve.runner.multimodal_prompt import expand_placeholders, multimodal_prompt
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.tokenizer import Tokenizer
 
@@ -112,6 +112,7 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # outputs produced outside a model step
         if config.speculative is not None:
             self.runner.enable_speculation(config.speculative)
+            self.scheduler.max_drafts = config.speculative.num_speculative_tokens
         # overlapped steps (`_step_overlapped`): not with drafts to verify or P/D transfers
         self._overlap = (
             config.scheduler.async_scheduling and config.speculative is None and self.kv is None
@@ -178,6 +179,12 @@ class LLMEngine:
             raise ValueError('multi_modal_data must be a dict like {"image": [...]}')
         ids = self.validate(prompt, SamplingParams())
         return multimodal_prompt(ids, data, self.model_config, self.runner.embed_multimodal)
+
+    def expand_multimodal(self, prompt: list[int], data: dict) -> list[int]:
+        """The token ids of a multimodal prompt with one placeholder per embedding, the media
+        checked against the model's encoders (ValueError) but not encoded: what
+        `prepare_multimodal` will give, cheaply (pure: any thread may call it)."""
+        return expand_placeholders(prompt, data, self.model_config)[0]
 
     def add_request(
         self,

@@ -27,6 +27,8 @@ LEAVES = (
     "hybridserve.sampling_params",
     "hybridserve.tokenizer",
     "hybridserve.chat_template",
+    "hybridserve.media",
+    "hybridserve.chat_prompt",
 )
 CONFIG = ("hybridserve.config",)
 CACHE = (*CONFIG, "hybridserve.cache")
@@ -44,6 +46,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "hybridserve.sampling_params": (),
     "hybridserve.tokenizer": ("hybridserve.chat_template",),
     "hybridserve.chat_template": (),
+    "hybridserve.media": (),
+    "hybridserve.chat_prompt": (*CONFIG, "hybridserve.chat_template", "hybridserve.media"),
     "hybridserve.prompt_check": ("hybridserve.sampling_params", "hybridserve.core.request"),
     "hybridserve.bench": (),  # talks HTTP to any server: nothing of the engine
     "hybridserve.output_processor": ("hybridserve.core", *LEAVES),

@@ -144,16 +144,26 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding: each decode step verifies up to `num_speculative_tokens` draft
     tokens in one forward pass (`runner.speculative.verify`; exact for every sampling setting).
-    `method`: "mtp" drafts with the model's MTP heads; "oracle" asks `oracle(token_ids, k)` for
-    the next k tokens (perfect drafts for tests and benchmarks: e.g. a recorded greedy run)."""
+    `method`: "mtp" drafts with the model's MTP heads; "ngram" looks the request's last
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens up earlier in its prompt and output and
+    proposes what followed them (vLLM's prompt lookup; no draft model, any architecture);
+    "oracle" asks `oracle(token_ids, k)` for the next k tokens (perfect drafts for tests and
+    benchmarks: e.g. a recorded greedy run)."""
 
     num_speculative_tokens: int = 1
     method: str = "mtp"
     oracle: Any = dataclasses.field(default=None, compare=False, repr=False)
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
-        require(self.method in ("mtp", "oracle"), f"unknown speculative method {self.method!r}")
+        methods = ("mtp", "ngram", "oracle")
+        require(self.method in methods, f"unknown speculative method {self.method!r}: {methods}")
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens must be >= 1")
+        require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max",
+        )
         require(
             self.method != "oracle" or callable(self.oracle),
             "the oracle method needs a callable oracle(token_ids, k) -> draft token ids",

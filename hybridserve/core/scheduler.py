@@ -64,6 +64,10 @@ class Scheduler(RemoteKV):
         )
         self.prefix_unit = self.coordinator.unit
         self.align_chunks = config.enable_prefix_caching and bool(self.coordinator.mamba)
+        # recurrent (Mamba) states cannot be rolled back: a verifying step keeps them before
+        # the drafts, so accepted drafts are computed again, in the next step's chunk
+        self.recurrent = bool(self.coordinator.mamba)
+        self.max_drafts = 0  # speculative decoding: drafts per step (set by the engine)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -222,7 +226,8 @@ class Scheduler(RemoteKV):
 
         A chunk with drafts gets a list: its accepted drafts then one more token. Only the
         accepted positions count as computed (the rejected drafts' cache entries are rewritten
-        when those positions are computed again); a stop rule met midway drops the rest."""
+        when those positions are computed again), and with recurrent layers none of the drafts
+        (`recurrent`); a stop rule met midway drops the rest."""
         if out is not self._in_flight:
             if out.is_empty and self._in_flight is None:
                 return []
@@ -241,7 +246,7 @@ class Scheduler(RemoteKV):
         for chunk, request in live:
             got = sampled.get(chunk.req_id)
             tokens = [got] if isinstance(got, int) else list(got or [])
-            accepted = max(len(tokens) - 1, 0) if chunk.num_drafts else 0
+            accepted = max(len(tokens) - 1, 0) if chunk.num_drafts and not self.recurrent else 0
             request.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts + accepted
             request.draft_token_ids = []
             if chunk.sample:
@@ -336,16 +341,27 @@ class Scheduler(RemoteKV):
                 return True
         return False
 
-    @staticmethod
-    def _decoding(request: Request) -> bool:
-        """Its prompt and outputs are computed but for the last sampled token."""
-        return request.num_tokens - request.num_computed_tokens == 1
+    def _decoding(self, request: Request) -> bool:
+        """Its prompt and outputs are computed but for the last sampled token (with recurrent
+        layers and drafts: but for the tokens of its last verifying step)."""
+        return self._verifies(request, request.num_computed_tokens)
+
+    def _verifies(self, request: Request, start: int) -> bool:
+        """A decode chunk from `start` (which verifies the request's drafts, if it has any):
+        the last sampled token, or with recurrent layers the last step's accepted drafts and
+        its sampled token."""
+        pending = request.num_tokens - start
+        if pending == 1:
+            return True
+        recomputes = self.recurrent and self.max_drafts and request.draft_token_ids
+        return bool(recomputes) and 1 < pending <= 1 + self.max_drafts
 
     def _chunk_size(self, request: Request, start: int, budget: int) -> int:
-        if request.num_tokens - start == 1 and request.draft_token_ids:
+        if request.draft_token_ids and self._verifies(request, start):
             # a decode step that verifies drafts: all of them, or none when the budget is short
-            if 1 + len(request.draft_token_ids) <= budget:
-                return 1 + len(request.draft_token_ids)
+            pending = request.num_tokens - start
+            if pending + len(request.draft_token_ids) <= budget:
+                return pending + len(request.draft_token_ids)
             request.draft_token_ids = []
         n = min(request.num_tokens - start, self.config.max_prefill_chunk, budget)
         if self.align_chunks:
@@ -357,7 +373,7 @@ class Scheduler(RemoteKV):
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        drafts = request.draft_token_ids if n > 1 and request.num_tokens - start == 1 else []
+        drafts = request.draft_token_ids if n > request.num_tokens - start else []
         return ScheduledChunk(
             req_id=request.req_id,
             token_ids=request.token_slice(start, start + n - len(drafts)) + tuple(drafts),

@@ -204,6 +204,7 @@ class Mamba2(nnx.Module):
             k: jnp.where(fresh[:, None, None], 0, st)
             for k, st in (("x", x_st), ("b", b_st), ("c", c_st))
         }
+        before = dict(states)  # the conv states the step starts from
         outs = {}
         for key, seq in seqs.items():
             weight = self.conv_weight[key][...]
@@ -240,9 +241,14 @@ class Mamba2(nnx.Module):
             # Padding tokens get dt = 0 and x = 0: the state passes through them unchanged.
             xs = jnp.where(valid[:, :, None, None], xs, 0)
             dt = jnp.where(valid[:, :, None], dt, 0.0)
+            start_state = ssm_state
             y, ssm_state = ops.mamba2_scan(
                 xs, dt, a, bs, cs, self.D[...], ssm_state, cfg.chunk_size
             )
+            if inputs.commit is not None:  # rows with drafts keep the state before them
+                ssm_state, states = self._committed(
+                    inputs, seqs, before, states, (xs, dt, a, bs, cs, start_state, ssm_state)
+                )
             if chained:
                 y, ssm_state = join_rows(y, ssm_state, dt, a, cs, inputs.continues)
                 pages = jnp.where(inputs.last, pages, 0)  # one row per sequence stores
@@ -259,6 +265,43 @@ class Mamba2(nnx.Module):
                 ssm_state,
             )
         return y, region
+
+    def _committed(
+        self,
+        inputs: StepInput,
+        seqs: dict[str, jax.Array],
+        before: dict[str, jax.Array],
+        after: dict[str, jax.Array],
+        scan: tuple[jax.Array, ...],
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The states after each row's first `commit` tokens instead of all `lengths` (a
+        speculative step: the drafts at the end must not move a state that cannot be rolled
+        back). The ssm state comes from a second scan with the drafts' dt and x zeroed (the state
+        passes through them), run only when some row has drafts; the conv states are the last
+        W - 1 inputs before the drafts."""
+        xs, dt, a, bs, cs, start, full = scan
+        commit, lengths = inputs.commit, inputs.lengths
+        t = xs.shape[1]
+
+        def rescan(_: None) -> jax.Array:
+            keep = jnp.arange(t)[None, :] < commit[:, None]
+            xk = jnp.where(keep[:, :, None, None], xs, 0)
+            dk = jnp.where(keep[:, :, None], dt, 0.0)
+            _, st = self.ops.mamba2_scan(xk, dk, a, bs, cs, self.D[...], start, self.cfg.chunk_size)
+            return st.astype(full.dtype)
+
+        ssm = jax.lax.cond(jnp.any(commit < lengths), rescan, lambda _: full, None)
+        states = {}
+        for key, seq in seqs.items():
+            flat = seq.reshape(seq.shape[0], t, -1)
+            old = jnp.swapaxes(before[key].astype(flat.dtype), 1, 2)  # [B, W - 1, C]
+            rows = old.shape[1]
+            both = jnp.concatenate([old, flat], axis=1)  # inputs from W - 1 before the chunk
+            idx = commit[:, None] + jnp.arange(rows)[None, :]  # the W - 1 before `commit`
+            kept = jnp.swapaxes(jnp.take_along_axis(both, idx[..., None], axis=1), 1, 2)
+            drafts = (commit < lengths)[:, None, None]
+            states[key] = jnp.where(drafts, kept.astype(after[key].dtype), after[key])
+        return ssm, states
 
     def _dt(self, raw: jax.Array) -> jax.Array:
         """dt = softplus(raw + dt_bias) in float32, clipped to the config's range if any."""

@@ -13,7 +13,7 @@ from hybridserve.cache.view import CacheLayout
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["positions", "lengths", "tables", "continues"],
+    data_fields=["positions", "lengths", "tables", "continues", "commit"],
     meta_fields=["layout"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,9 @@ class StepInput:
     continues: packed prefill (`runner.packed`): [B] int32, row b goes on from row b - 1 (the
                same sequence, whose earlier rows are full); None: every row is its own
                sequence.
+    commit:    models with recurrent (Mamba) layers: [B] int32, the tokens of each row whose
+               state the step keeps (the row's tokens before its drafts: a recurrent state
+               cannot be rolled back, so it never moves past a draft); None: `lengths`.
     """
 
     positions: jax.Array
@@ -35,6 +38,7 @@ class StepInput:
     tables: tuple[jax.Array, ...]
     layout: CacheLayout
     continues: jax.Array | None = None
+    commit: jax.Array | None = None
 
     @property
     def valid(self) -> jax.Array:

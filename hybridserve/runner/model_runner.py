@@ -149,7 +149,10 @@ class ModelRunner(ScratchLogits):
     ) -> tuple[tuple[jax.Array, jax.Array | None], list]:
         tokens, positions, lengths, num_drafts, *tables = unpack_ints(packed, shapes)
         continues = tables.pop() if chained else None  # packed prefill: last of the ints
-        inputs = StepInput(positions, lengths, tuple(tables), self.layout, continues)
+        # speculation (logits after the drafts) on recurrent layers: states stop before drafts
+        verifies = n_logits is not None and n_logits > 1 and "mamba" in self.cfg.layer_types
+        commit = lengths - num_drafts if verifies else None
+        inputs = StepInput(positions, lengths, tuple(tables), self.layout, continues, commit)
         model = self._model(leaves)
         # without the hidden states, norm_f runs inside the lm_head (on the picked rows only)
         hidden, regions = model(tokens, inputs, regions, embeds, embed_mask, keep_hidden)
@@ -360,11 +363,15 @@ class ModelRunner(ScratchLogits):
         for the MTP heads). Chunks that score prompt tokens (`runner.prompt_logprobs`) run
         alone with every position's logits."""
         self.copy_pages(out.page_copies)
-        decode = [c for c in out.chunks if len(c.token_ids) - c.num_drafts == 1]
+        # decode rows: one known token, or drafts to verify (after a recurrent model's
+        # accepted drafts, which it computes again: `Scheduler.recurrent`)
+        decode = [c for c in out.chunks if c.num_drafts or len(c.token_ids) == 1]
         scored = [c for c in out.chunks if len(c.token_ids) > 1 and self._scores(c)]
         alone = {c.req_id for c in scored}
         prefill = [
-            c for c in out.chunks if len(c.token_ids) - c.num_drafts > 1 and c.req_id not in alone
+            c
+            for c in out.chunks
+            if not c.num_drafts and len(c.token_ids) > 1 and c.req_id not in alone
         ]
         got: dict[str, tuple[int, int]] = {}
         sources: list[jax.Array] = []

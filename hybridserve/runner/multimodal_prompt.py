@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hybridserve import media
 from hybridserve.config import ModelConfig
 from hybridserve.core.request import MultimodalInput
+from hybridserve.media import image_array
 
 KINDS = ("image", "audio")
 
@@ -38,7 +38,7 @@ def _items(data: dict, kind: str, cfg: ModelConfig) -> list[np.ndarray]:
 
 def _image(item: object, channels: int) -> object:
     if isinstance(item, bytes) or hasattr(item, "convert"):
-        return media.image_array(item, channels)
+        return image_array(item, channels)
     return item
 
 

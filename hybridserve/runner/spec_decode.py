@@ -12,7 +12,9 @@ Lifecycle of one engine step (`LLMEngine.step` with a `SpeculativeConfig` of k t
   4. The scheduler records them (`update_from_output`): only the accepted positions count as
      computed. Rollback needs no copy: the attention KV and the sconv inputs at rejected
      positions are rewritten when those positions are computed again (sconv state is cached
-     per token), and no Mamba layer may be present (its state would have moved past them).
+     per token). A Mamba layer's state cannot be rewound, so there the step keeps the state
+     from before the drafts (`StepInput.commit`), no draft counts as computed, and the next
+     step's chunk computes the accepted drafts again ahead of its own drafts.
   5. `propose` (`ModelRunner.propose(rooms)`, for the requests still running, each with the
      room its max_tokens and max_model_len leave): per program of the step, one device
      program runs the whole chain of k heads over its rows (`runner.draft_chain`: each head's
@@ -40,6 +42,7 @@ import numpy as np
 from hybridserve.config import ModelConfig, SpeculativeConfig
 from hybridserve.core.outputs import SchedulerOutput
 from hybridserve.outputs import Logprob
+from hybridserve.runner.ngram import ngram_drafts
 from hybridserve.runner.request_state import RequestState, RequestStates, StepLogits
 from hybridserve.runner.sampler import sample_requests
 from hybridserve.runner.speculative import verify, verify_greedy
@@ -58,8 +61,11 @@ class SpecDecoder:
                 f"speculative method 'mtp' with {self.k} tokens needs as many MTP heads; "
                 f"the model has {heads}"
             )
-        if cfg.mamba is not None and "mamba" in cfg.layer_types:
-            raise ValueError("speculative decoding cannot roll back Mamba states yet")
+        if config.method == "mtp" and "mamba" in cfg.layer_types:
+            raise ValueError(
+                "MTP heads of Mamba hybrids are not supported yet (speculative decoding with "
+                "another drafter, such as method 'oracle', is)"
+            )
         self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (0-padded)
         self._zeros: jax.Array | None = None
         self.num_drafts = self.num_accepted = self.num_steps = 0
@@ -156,15 +162,23 @@ class SpecDecoder:
                 room = rooms.get(c.req_id)
                 want[c.req_id] = 0 if room is None else self._budget(state, room)
         self._drafts: dict[str, list[int]] = {}
-        if self.config.method == "oracle":
+        if self.config.method in ("oracle", "ngram"):
             for r, n in want.items():
                 if n:
-                    drafts = [int(t) for t in self.config.oracle(requests[r].token_ids, n)]
-                    self._set(r, drafts[:n], None, params[r].temperature <= 0)
+                    drafts = [int(t) for t in self._lookup(requests[r].token_ids, n)]
+                    if drafts:
+                        self._set(r, drafts[:n], None, params[r].temperature <= 0)
             return self._drafts
         for p in result.passes:
             self._mtp_pass(p, sampled, requests, params, keys, want)
         return self._drafts
+
+    def _lookup(self, token_ids: list[int], n: int) -> list[int]:
+        """Drafts of the host-side methods: the oracle's, or prompt lookup's (`runner.ngram`)."""
+        c = self.config
+        if c.method == "oracle":
+            return c.oracle(token_ids, n)
+        return ngram_drafts(token_ids, n, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def _mtp_pass(self, p, sampled, requests, params, keys, want) -> None:
         """The draft chain over one program's rows (`runner.draft_chain`). Each row starts

@@ -28,7 +28,6 @@ from hybridserve.chat_prompt import piece_encoder, render_chat
 from hybridserve.config import ModelConfig
 from hybridserve.disagg.params import Forbidden
 from hybridserve.outputs import RequestOutput
-from hybridserve.runner.multimodal_prompt import expand_placeholders
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.server import protocol as P
 from hybridserve.server.async_engine import (
@@ -228,7 +227,7 @@ class OpenAIServing:
         encode = piece_encoder(self.tokenizer, self.chat_template.special_tokens.get("bos_token"))
         data = prompt.multi_modal_data()
         try:
-            ids, _ = expand_placeholders(prompt.token_ids(encode), data, cfg)
+            ids = self.engine.engine.expand_multimodal(prompt.token_ids(encode), data)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         return ids, data

@@ -87,7 +87,9 @@ def test_bad_bodies_are_refused_before_any_upstream(raw, status):
     up = Upstreams()
 
     async def go() -> httpx.Response:
-        app = build_proxy(_state(up))
+        state = _state(up)
+        state.max_body_bytes = 1 << 20  # the 2 MiB body is over it
+        app = build_proxy(state)
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
             return await c.post("/v1/completions", content=raw)
