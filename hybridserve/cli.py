@@ -100,9 +100,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hybridserve.server.launch import parse_kv_transfer_config, serve
+    from hybridserve.server.launch import parse_kv_transfer_config, parse_speculative_config, serve
 
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # before any heavy import
+    speculative = parse_speculative_config(args.speculative_config)
     model = args.model
     if args.model_arg is not None:
         if model != str(DEFAULT_MODEL) and model != args.model_arg:
@@ -135,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         **given,
         **engine_kwargs(args, SERVE_ENGINE_FLAGS),
         kv_transfer_config=kv_transfer,
+        speculative_config=speculative,
     )
     settings = ServerSettings(
         model_names=tuple(names),
@@ -209,6 +211,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "kv_consumer: decode, kv_both); other keys: engine_id, host, port, lease_s, "
         "transfer_timeout_s, handshake_timeout_s, wait_timeout_s, failure_policy, transfer_mode, "
         "nixl_threads, nixl_progress_delay_us; unknown keys are an error",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method":"ngram","num_speculative_tokens":3}\' '
+        "(prompt lookup: any model; prompt_lookup_min / prompt_lookup_max, default 1 / 4) or "
+        '\'{"method":"mtp","num_speculative_tokens":3}\' (the model\'s MTP heads); '
+        "greedy output is unchanged, sampled output keeps its distribution",
     )
     p.add_argument(
         "--chat-template",

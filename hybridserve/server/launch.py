@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from hybridserve.config import KVTransferConfig
+from hybridserve.config import KVTransferConfig, SpeculativeConfig
 from hybridserve.config.engine import from_mapping
 from hybridserve.server.listener import HTTPLimits, bind, uvicorn_config
 
@@ -33,18 +33,29 @@ __all__ = ["DrainingServer", "bind", "parse_kv_transfer_config", "serve"]
 log = logging.getLogger("hybridserve.server")
 
 
-def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
-    """`--kv-transfer-config` JSON -> KVTransferConfig; ValueError naming unknown keys or bad
-    values."""
+def _json_config(text: str | None, cls: type, flag: str) -> Any:
+    """A flag's JSON object -> `cls`; ValueError naming unknown keys or bad values."""
     if text is None:
         return None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"--kv-transfer-config is not valid JSON: {err}") from err
+        raise ValueError(f"{flag} is not valid JSON: {err}") from err
     if not isinstance(data, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object")
-    return from_mapping(KVTransferConfig, data, "--kv-transfer-config")
+        raise ValueError(f"{flag} must be a JSON object")
+    return from_mapping(cls, data, flag)
+
+
+def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
+    """`--kv-transfer-config` JSON -> KVTransferConfig; ValueError naming unknown keys or bad
+    values."""
+    return _json_config(text, KVTransferConfig, "--kv-transfer-config")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """`--speculative-config` JSON -> SpeculativeConfig ("mtp" or "ngram": the "oracle" method
+    takes a Python function, which a flag cannot give)."""
+    return _json_config(text, SpeculativeConfig, "--speculative-config")
 
 
 class DrainingServer(uvicorn.Server):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.config import KVTransferConfig
-from hybridserve.server.launch import parse_kv_transfer_config
+from hybridserve.config import KVTransferConfig, SpeculativeConfig
+from hybridserve.server.launch import parse_kv_transfer_config, parse_speculative_config
 
 
 def test_kv_transfer_config_flag():
@@ -17,6 +17,18 @@ def test_kv_transfer_config_flag():
     assert config == KVTransferConfig(kv_role="kv_producer")
     with pytest.raises(ValueError, match=r"unknown keys \['kv_rank'\]"):
         parse_kv_transfer_config('{"kv_role":"kv_both","kv_rank":0}')
+
+
+def test_speculative_config_flag():
+    assert parse_speculative_config(None) is None
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="oracle method needs a callable"):
+        parse_speculative_config('{"method": "oracle"}')
+    with pytest.raises(ValueError, match=r"unknown keys \['draft_model'\]"):
+        parse_speculative_config('{"method": "ngram", "draft_model": "x"}')
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        parse_speculative_config('{"method": "ngram", "prompt_lookup_min": 5}')
 
 
 def test_the_engine_never_imports_the_server():
