@@ -5,7 +5,8 @@ speculative decoding.
 For each concurrency C and --speculative mode, the engine runs with max_num_seqs = C on
 C * --rounds random prompts of --input-len tokens, generating --output-len tokens each (greedy,
 EOS ignored); a warmup pass of the same workload compiles every shape first. Modes: `none`;
-`mtp` (the model's MTP heads draft --num-speculative-tokens tokens a step); `oracle` (perfect
+`mtp` (the model's MTP heads draft --num-speculative-tokens tokens a step); `ngram` (prompt
+lookup: no draft model, any architecture); `oracle` (perfect
 drafts replaying the greedy output of `none` on the same prompts, run first if not asked for).
 Checks: speculative outputs equal `none`'s, oracle acceptance is 1.0; a failed check or a cell
 that raised is printed and exits 1 (the JSON, written after each cell, keeps the rest).
@@ -53,7 +54,7 @@ from hybridserve.entrypoints import DEFAULT_MODEL
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inkling_random  # noqa: E402
 
-MODES = ("none", "mtp", "oracle")
+MODES = ("none", "mtp", "ngram", "oracle")
 T0 = time.perf_counter()
 
 
@@ -64,8 +65,8 @@ def log(msg: str) -> None:
 def make_llm(model: str, c: int, mode: str, args: argparse.Namespace, reference=None) -> LLM:
     k = args.num_speculative_tokens
     spec = None
-    if mode == "mtp":
-        spec = {"method": "mtp", "num_speculative_tokens": k}
+    if mode in ("mtp", "ngram"):  # the model's heads, or prompt lookup
+        spec = {"method": mode, "num_speculative_tokens": k}
     elif mode == "oracle":
         n = args.input_len
 
