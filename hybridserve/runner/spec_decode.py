@@ -260,6 +260,7 @@ class SpecDecoder:
     def _states(self, hidden: jax.Array) -> jax.Array:
         if self._hist is None:
             self._hist = jnp.zeros((8, self.k - 1, hidden.shape[-1]), hidden.dtype)
+            self._free = list(range(7, -1, -1))
         return self._hist
 
     def _slot(self, req_id: str) -> int:
