@@ -62,6 +62,13 @@ class Tokenizer:
             self._chat_template = ChatTemplate.load(self.directory)
         return self._chat_template
 
+    def template(self, chat_template: str | None = None) -> ChatTemplate:
+        """The model's chat template, or the jinja source `chat_template` with the model's
+        special tokens."""
+        if chat_template is None:
+            return self.chat_template
+        return ChatTemplate(chat_template, self.chat_template.special_tokens)
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -72,8 +79,7 @@ class Tokenizer:
         """The prompt for `messages` ({"role", "content"} dicts) by the model's template (or
         the jinja source `chat_template`): token ids, or the text with `tokenize=False`.
         Raises `ChatTemplateError` (a ValueError) when the template fails on them."""
-        template = self.chat_template
-        if chat_template is not None:  # another source, the model's special tokens
-            template = ChatTemplate(chat_template, template.special_tokens)
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = self.template(chat_template).render(
+            messages, add_generation_prompt=add_generation_prompt
+        )
         return self.encode(text) if tokenize else text

@@ -23,7 +23,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hybridserve.chat_prompt import piece_encoder, render_chat
-from hybridserve.chat_template import ChatTemplate
 from hybridserve.config import EngineConfig
 from hybridserve.engine import LLMEngine
 from hybridserve.entrypoints import DEFAULT_MODEL
@@ -182,9 +181,7 @@ class LLM:
         (`hybridserve.chat_prompt`); outputs in conversation order (vLLM's `LLM.chat`)."""
         batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        template = tokenizer.chat_template
-        if chat_template is not None:  # another source, the model's special tokens
-            template = ChatTemplate(chat_template, template.special_tokens)
+        template = tokenizer.template(chat_template)
         prompts: list[Prompt] = []
         for conversation in batch:
             chat = render_chat(conversation, template, self.engine.model_config,

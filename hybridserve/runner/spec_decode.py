@@ -64,7 +64,7 @@ class SpecDecoder:
         if config.method == "mtp" and "mamba" in cfg.layer_types:
             raise ValueError(
                 "MTP heads of Mamba hybrids are not supported yet (speculative decoding with "
-                "another drafter, such as method 'oracle', is)"
+                "another drafter, such as method 'ngram', is)"
             )
         self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (0-padded)
         self._zeros: jax.Array | None = None
