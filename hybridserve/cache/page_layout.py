@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.spec import MambaSpec, dtype_bytes, replicated_size
+from hybridserve.cache.spec import MambaSpec, dtype_bytes, global_kv_heads, replicated_size
 from hybridserve.config import ModelConfig
 
 
@@ -256,7 +256,7 @@ def page_layouts(plan: CachePlan, cfg: ModelConfig, rank: int = 0) -> tuple[Page
                 rank=rank,
             )
         else:
-            kv_heads = cfg.attention.num_kv_heads
+            kv_heads = global_kv_heads(spec, cfg, tp)
             page = attention_page(
                 kv_heads, spec.head_dim, spec.dtype, plan.kernel_block_size, plan.ratio, tp, rank
             )

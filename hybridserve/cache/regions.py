@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from hybridserve.cache.page_layout import AttentionPage, MambaPage, page_layouts
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.spec import MambaSpec, canonical_dtype
+from hybridserve.cache.spec import MambaSpec, canonical_dtype, global_kv_heads
 from hybridserve.cache.view import WORD, WORD_BYTES, AttentionAccess, CacheLayout, MambaAccess
 from hybridserve.config import ConfigError, ModelConfig
 
@@ -91,9 +91,9 @@ def shard_buffers(regions: list[jax.Array]) -> list[list[RegionBuffer]]:
 
 def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
     """Per-entry access facts (region, group, page layout, dtypes) from the cache plan: one
-    entry per layer, then the sconv entries (`cache.spec.sconv_entries`). The row is one
-    attention head's one token (`AttentionPage.row_bytes`), or the whole page without
-    attention."""
+    entry per layer, then the MTP heads' and the sconv entries (`cache.spec.layer_specs`).
+    The row is one attention head's one token (`AttentionPage.row_bytes`), or the whole page
+    without attention."""
     entries = 1 + max(e for g in plan.groups for e in g.layers if e is not None)
     access: list[AttentionAccess | MambaAccess | None] = [None] * max(entries, cfg.num_layers)
     row = plan.page_size_bytes
@@ -112,9 +112,8 @@ def build_layout(cfg: ModelConfig, plan: CachePlan) -> CacheLayout:
             elif isinstance(page, AttentionPage):
                 window = getattr(spec, "sliding_window", None)
                 dtype = canonical_dtype(spec.dtype)
-                access[layer] = AttentionAccess(
-                    region, g, cfg.attention.num_kv_heads, page, dtype, window
-                )
+                heads = global_kv_heads(spec, cfg, plan.tensor_parallel_size)
+                access[layer] = AttentionAccess(region, g, heads, page, dtype, window)
     if row % WORD_BYTES or plan.page_size_bytes % row:
         raise ConfigError(
             f"cache rows of {row} bytes cannot be stored in {WORD_BYTES}-byte words (a K or V "

@@ -234,7 +234,7 @@ def layer_specs(
     layout: str | None = None,
 ) -> list[Spec | None]:
     """The spec of every cache entry: one per layer (None for layers without cache: mlp, moe),
-    then the sconv entries (`sconv_entries`), then the MTP heads' (`mtp_entries`)."""
+    then the MTP heads' (`mtp_entries`), then the sconv entries (`sconv_entries`)."""
     specs: list[Spec | None] = []
     for index, kind in enumerate(cfg.layer_types):
         if kind in ("attention", "sliding_attention"):
@@ -243,49 +243,72 @@ def layer_specs(
             specs.append(mamba_spec(cfg.mamba, tp, conv_dtype, ssm_dtype, layout))
         else:
             specs.append(None)
-    if cfg.sconv is not None:
-        a = attention_spec(cfg.attention, tp, conv_dtype)
-        sconv = SconvSpec(
-            a.num_kv_heads, a.head_dim, conv_dtype, sliding_window=cfg.sconv.width - 1
-        )
-        specs += [sconv] * _num_sconv_entries(cfg)
     if cfg.mtp is not None:
         specs += [attention_spec(cfg.attention, tp, kv_dtype)] * cfg.mtp.num_heads
+    if cfg.sconv is not None:
+        heads = sconv_heads(cfg, tp) // tp
+        sconv = SconvSpec(
+            heads, cfg.attention.head_dim, conv_dtype, sliding_window=cfg.sconv.width - 1
+        )
+        specs += [sconv] * _num_sconv_entries(cfg, tp)
     return specs
 
 
+def global_kv_heads(spec: FullAttentionSpec, cfg: ModelConfig, tp: int) -> int:
+    """The global head count a token-holding spec's pages are split over: the model's KV heads,
+    or an sconv entry's `sconv_heads` (never duplicated: `num_kv_heads * tp`)."""
+    if isinstance(spec, SconvSpec):
+        return spec.num_kv_heads * tp
+    return cfg.attention.num_kv_heads
+
+
 def mtp_entries(cfg: ModelConfig) -> tuple[int, ...]:
-    """The cache entries of the MTP heads' attention (one each), after the sconv entries."""
+    """The cache entries of the MTP heads' attention (one each), right after the model layers
+    (before the sconv entries, whose number depends on TP)."""
     if cfg.mtp is None:
         return ()
-    first = cfg.num_layers + _num_sconv_entries(cfg)
-    return tuple(range(first, first + cfg.mtp.num_heads))
+    return tuple(range(cfg.num_layers, cfg.num_layers + cfg.mtp.num_heads))
+
+
+def sconv_heads(cfg: ModelConfig, tp: int) -> int:
+    """Global "heads" of `head_dim` channels in one sconv entry's K (and V) half at TP `tp`:
+    `max(kv_heads, tp)`. Each rank holds `sconv_heads / tp` of them, never a duplicate, so the
+    ranks hold disjoint channels: with tp <= kv_heads the entries are laid out as the attention
+    pages (the same at every such TP, so P/D across them moves them like KV); with tp >
+    kv_heads an entry holds more channels than at TP 1 (one head per rank) and only engines of
+    the same TP share the layout (`disagg.descriptors.RankLayout.sconv_heads`)."""
+    kv = cfg.attention.num_kv_heads
+    replicated_size(kv, tp, "num_key_value_heads")  # one divides the other
+    return max(kv, tp)
 
 
 SCONV_SITES = ("kv", "out", "ffn")
 
 
-def _num_sconv_entries(cfg: ModelConfig) -> int:
-    return sum(len(e) for site in sconv_entries(cfg) for e in site.values())
+def _num_sconv_entries(cfg: ModelConfig, tp: int) -> int:
+    return sum(len(e) for site in sconv_entries(cfg, tp) for e in site.values())
 
 
-def sconv_entries(cfg: ModelConfig) -> list[dict[str, tuple[int, ...]]]:
-    """Per model layer, the cache entries of its sconv states, by site: "kv" (the keys then the
-    values: one entry), "out" (the attention output) and "ffn" (the ffn output; absent without
-    an ffn), each `cdiv(hidden, E)` entries of E = 2 * kv_heads * head_dim channels. Entry ids
-    continue after the model layers (entry i < num_layers is layer i's own cache), layer by
-    layer, site by site. Empty without sconv."""
+def sconv_entries(cfg: ModelConfig, tp: int = 1) -> list[dict[str, tuple[int, ...]]]:
+    """Per model layer, the cache entries of its sconv states at TP `tp`, by site: "kv" (the
+    keys then the values), "out" (the attention output) and "ffn" (the ffn output; absent
+    without an ffn), each `cdiv(channels, E)` entries of E = 2 * sconv_heads * head_dim
+    channels (`sconv_heads`; "kv" has 2 * kv_heads * head_dim channels, "out" and "ffn" the
+    hidden size). Entry ids continue after the model layers and the MTP heads' entries, layer
+    by layer, site by site. Empty without sconv."""
     if cfg.sconv is None:
         return [{} for _ in cfg.layer_types]
-    width = 2 * cfg.attention.num_kv_heads * cfg.attention.head_dim
-    per_hidden = -(-cfg.hidden_size // width)
-    sizes = {"kv": 1, "out": per_hidden, "ffn": per_hidden if cfg.ffn else 0}
-    out, nxt = [], cfg.num_layers
+    a = cfg.attention
+    width = 2 * sconv_heads(cfg, tp) * a.head_dim
+    channels = {"kv": 2 * a.num_kv_heads * a.head_dim, "out": cfg.hidden_size}
+    channels["ffn"] = cfg.hidden_size if cfg.ffn else 0
+    out, nxt = [], cfg.num_layers + (cfg.mtp.num_heads if cfg.mtp is not None else 0)
     for _ in cfg.layer_types:
         sites = {}
         for site in SCONV_SITES:
-            if sizes[site]:
-                sites[site] = tuple(range(nxt, nxt + sizes[site]))
-                nxt += sizes[site]
+            n = -(-channels[site] // width)
+            if n:
+                sites[site] = tuple(range(nxt, nxt + n))
+                nxt += n
         out.append(sites)
     return out

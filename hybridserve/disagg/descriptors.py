@@ -60,7 +60,7 @@ from hybridserve.cache.page_layout import (
 )
 from hybridserve.cache.page_layout import held_range as held_range  # re-exported
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, canonical_dtype
+from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, SconvSpec, canonical_dtype
 from hybridserve.config import ModelConfig
 
 FA_KINDS = ("full_attention", "sliding_window")
@@ -70,6 +70,10 @@ COMPONENTS = ("kv", *MAMBA_PARTS)
 ALL_COMPONENTS = frozenset(COMPONENTS)
 MERGE_LEVELS = 6  # coarse attention descriptors of up to 2**6 consecutive pages
 DS_HINT = "set HYBRIDSERVE_SSM_CONV_LAYOUT=DS on both prefill and decode"
+MISMATCH_HINTS = {
+    "sconv_heads": " (an sconv entry holds max(num_key_value_heads, tp) heads, one rank's "
+    "share each: P/D between different TP sizes needs tp <= num_key_value_heads on both sides)",
+}
 # Not in the compatibility key: they may differ between prefill and decode (or between ranks).
 PER_SIDE_FIELDS = frozenset(
     ("tp_size", "tp_rank", "device_id", "region_bases", "num_pages", "page_bytes", "ratio")
@@ -103,6 +107,7 @@ class RankLayout:
     conv_dtype: str = ""
     ssm_dtype: str = ""
     conv_layout: str = ""  # DS | SD
+    sconv_heads: int = 0  # global heads of an sconv entry (`cache.spec.sconv_heads`; 0: none)
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -159,6 +164,9 @@ class RankLayout:
                 kv_dtype=canonical_dtype(attn[0].dtype),
                 sliding_window=a.sliding_window or 0,
             )
+        sconv = [g.spec for g in plan.groups if isinstance(g.spec, SconvSpec)]
+        if sconv:
+            fields["sconv_heads"] = sconv[0].num_kv_heads * plan.tensor_parallel_size
         mamba = [g.spec for g in plan.groups if isinstance(g.spec, MambaSpec)]
         if mamba:
             m, spec = cfg.mamba, mamba[0]
@@ -309,11 +317,11 @@ class RankLayout:
 def check_compatible(local: RankLayout, remote: RankLayout) -> None:
     """Raise ValueError naming the first field of `compatibility_key` the two sides disagree on."""
     a, b = local.compatibility_key(), remote.compatibility_key()
-    for name in a:
+    for name in sorted(a, key=lambda n: n not in MISMATCH_HINTS):  # the explained ones first
         if a[name] != b[name]:
             raise ValueError(
                 f"prefill/decode cache layouts disagree on {name}: "
-                f"local {a[name]!r}, remote {b[name]!r}"
+                f"local {a[name]!r}, remote {b[name]!r}{MISMATCH_HINTS.get(name, '')}"
             )
 
 

@@ -59,11 +59,12 @@ class Block(nnx.Module):
         self.residual_multiplier = cfg.residual_multiplier
         self.ops = ops
         self.fused = False  # `prepare`
-        self.sconv_entries = sconv_entries(cfg)[index] if entry is None else {}
+        self.cfg = cfg  # the sconv entries depend on the TP size (`_conv`)
+        sites = sconv_entries(cfg)[index] if entry is None else {}
         a = cfg.attention
         widths = {"kv": 2 * a.num_kv_heads * a.head_dim if a else 0, "out": d, "ffn": d}
         self.sconv = nnx.data(
-            nnx.Dict({s: ShortConv(widths[s], cfg.sconv, ops, **kw) for s in self.sconv_entries})
+            nnx.Dict({s: ShortConv(widths[s], cfg.sconv, ops, **kw) for s in sites})
             if cfg.sconv is not None and entry is None
             else None
         )
@@ -127,7 +128,8 @@ class Block(nnx.Module):
     ) -> jax.Array:
         if self.sconv is None:
             return x
-        return self.sconv[site](x, regions, inputs, self.sconv_entries[site])
+        entries = sconv_entries(self.cfg, inputs.layout.tp)[self.index][site]
+        return self.sconv[site](x, regions, inputs, entries)
 
     def _kv_conv(self, regions: list[jax.Array], inputs: StepInput) -> KvConv:
         """The keys and values through one sconv (channels: k's, then v's)."""

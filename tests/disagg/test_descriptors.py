@@ -303,3 +303,21 @@ def test_modules_are_standard_library_only():
             for mod in mods:
                 top = mod.split(".")[0]
                 assert top in sys.stdlib_module_names or mod.startswith(allowed), (name, mod)
+
+
+@pytest.mark.parametrize("kv_heads, tps, ok", [(4, (1, 4), True), (2, (1, 2), True),
+                                               (2, (1, 4), False), (2, (2, 4), False)])  # fmt: skip
+def test_sconv_entries_move_between_tp_sizes_that_share_their_layout(kv_heads, tps, ok):
+    # An sconv entry holds max(kv_heads, tp) heads: the same layout at every tp <= kv_heads
+    # (P/D moves it like KV), another one above; a mismatch is refused by name at the
+    # handshake, not moved into the wrong channels.
+    from tests.hybridserve.inkling_models import tiny_inkling
+
+    cfg = tiny_inkling(kv_heads=kv_heads)
+    a, b = (make_layout(cfg, tp, 0, side=i, kv_dtype="bfloat16") for i, tp in enumerate(tps))
+    assert a.sconv_heads == max(kv_heads, tps[0]) and b.sconv_heads == max(kv_heads, tps[1])
+    if ok:
+        check_compatible(a, b)
+    else:
+        with pytest.raises(ValueError, match="disagree on sconv_heads.*tp <= num_key_value"):
+            check_compatible(a, b)

@@ -16,10 +16,13 @@ from hybridserve.weights.loader import read_config, save_converted
 IMAGE_TOKEN, AUDIO_TOKEN = 5, 6
 
 
-def tiny_inkling(window: int = 6, hidden: int = 48, nvfp4: bool = False) -> ModelConfig:
+def tiny_inkling(
+    window: int = 6, hidden: int = 48, nvfp4: bool = False, kv_heads: int = 2
+) -> ModelConfig:
     """full, sliding, full attention (GQA, NoPE, relative term), an expert-sink MoE ffn, four
     sconvs of width 4 per block, an hMLP image stem and dMel audio. hidden 48 over sconv
-    entries of 32 channels: the out/ffn sites span two entries, the second half padding."""
+    entries of 32 channels: the out/ffn sites span two entries, the second half padding.
+    `kv_heads` (2 or 4) of the 4 query heads."""
     d = read_config(DEFAULT_MODEL).to_dict()
     d.update(
         architecture="inkling",
@@ -31,7 +34,7 @@ def tiny_inkling(window: int = 6, hidden: int = 48, nvfp4: bool = False) -> Mode
         tie_word_embeddings=False,
         dtype="float32",
     )
-    d["attention"] = dict(num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=None,
+    d["attention"] = dict(num_heads=4, num_kv_heads=kv_heads, head_dim=8, rope_theta=None,
                           rotary_dim=None, sliding_window=window, rel_dim=4, rel_buckets=8,
                           rel_exact=4, rel_max_distance=20)  # fmt: skip
     d["moe"] = dict(num_experts=8, top_k=2, intermediate_size=32, router="softmax_sink",
