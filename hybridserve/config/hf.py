@@ -18,7 +18,7 @@ from typing import Any
 from hybridserve.config.errors import ConfigError
 from hybridserve.config.fields import Fields, common_fields, load_hf_json
 from hybridserve.config.inkling import parse_inkling
-from hybridserve.config.layers import AttentionConfig, MambaConfig, MlpConfig, MoeConfig
+from hybridserve.config.layers import AttentionConfig, MambaConfig, MlpConfig, MoeConfig, MtpConfig
 from hybridserve.config.model import ModelConfig
 from hybridserve.config.quant import parse_quant
 
@@ -105,13 +105,15 @@ def _nemotron_h(f: Fields) -> ModelConfig:
             ("use_conv_bias", "mamba_conv_bias"),
             ("use_bias",),
         )
-    if "attention" in kinds:
+    mtp = _nemotron_mtp(f)
+    used = set(kinds) | ({"attention", mtp.ffn} if mtp is not None else set())
+    if "attention" in used:
         attention = _attention(f)  # NoPE; q/k/v/o carry no bias in this family
     act = f.activation("mlp_hidden_act", default="relu2")
     mlp_bias = bool(f.get("mlp_bias", default=False))
-    if "mlp" in kinds:
+    if "mlp" in used:
         mlp = MlpConfig(int(f.get("intermediate_size")), activation=act, bias=mlp_bias)
-    if "moe" in kinds:
+    if "moe" in used:
         moe = MoeConfig(
             num_experts=int(f.get("n_routed_experts", "num_local_experts")),
             top_k=int(f.get("num_experts_per_tok")),
@@ -132,8 +134,32 @@ def _nemotron_h(f: Fields) -> ModelConfig:
         mamba=mamba,
         mlp=mlp,
         moe=moe,
+        mtp=mtp,
         **common_fields(f, "nemotron_h", "layer_norm_epsilon"),
     )
+
+
+def _nemotron_mtp(f: Fields) -> MtpConfig | None:
+    """Nemotron-H's MTP layers: `num_nextn_predict_layers` steps, each an attention layer then
+    an ffn layer (`mtp_layers_block_type`, or the legacy `mtp_hybrid_override_pattern`, "*E"
+    by default): one `MtpHead` each (`weights.hf_names` maps `mtp.layers.*`)."""
+    n = int(f.get("num_nextn_predict_layers", default=0) or 0)
+    if n < 0:
+        raise ConfigError(f"{f.where}: field 'num_nextn_predict_layers' = {n} must be >= 0")
+    if n == 0:
+        return None
+    if "mtp_layers_block_type" in f.raw:
+        name, values = "mtp_layers_block_type", list(f.get("mtp_layers_block_type"))
+    else:
+        name = "mtp_hybrid_override_pattern"
+        values = list(f.get(name, default="*E"))
+    kinds = f.kinds(name, values)
+    if len(kinds) != 2 or kinds[0] != "attention" or kinds[1] not in ("mlp", "moe"):
+        raise ConfigError(
+            f"{f.where}: field {name!r} = {values!r}: only an attention layer followed by an "
+            "mlp or moe layer is supported for MTP"
+        )
+    return MtpConfig(num_heads=n, ffn=kinds[1])
 
 
 def _granite_family_mamba(f: Fields) -> MambaConfig:

@@ -237,9 +237,13 @@ class AudioConfig:
 class MtpConfig:
     """Multi-token prediction: `num_heads` chained heads, head i proposing the token i + 1
     places after the base model's next token (`layers.mtp.MtpHead`). Each head is one block of
-    the model's full-attention kind (own KV cache) with the model's ffn, no sconv."""
+    the model's full-attention kind (own KV cache) with the model's ffn (or `ffn`: "mlp" or
+    "moe", for a model whose blocks have none, such as Nemotron-H's attention-then-MoE MTP
+    layers), no sconv."""
 
     num_heads: int = 8
+    ffn: str | None = None
 
     def __post_init__(self) -> None:
         require(self.num_heads >= 1, f"mtp num_heads must be >= 1, got {self.num_heads}")
+        require(self.ffn in (None, "mlp", "moe"), f"mtp ffn must be mlp or moe, got {self.ffn}")

@@ -71,6 +71,8 @@ class ModelConfig:
         require(len(self.layer_types) > 0, "the layer pattern is empty")
         require(self.ffn in (None, "mlp", "moe"), f"ffn must be None, 'mlp' or 'moe': {self.ffn}")
         needs = set(self.layer_types) | ({self.ffn} if self.ffn else set())
+        if self.mtp is not None and self.mtp.ffn is not None:
+            needs.add(self.mtp.ffn)
         if "sliding_attention" in needs:
             needs.add("attention")
         for kind in ("attention", "mamba", "mlp", "moe"):

@@ -5,7 +5,7 @@ the base model's final hidden state, after norm_f) and the embedding of the toke
 ahead, `x_{t+i}`:
   u      = W_i [norm_h(g_{i-1}(t)) ; norm_e(E[x_{t+i}])]        (W_i: [2D, D])
   g_i(t) = Block_i(u)      (full attention over head i's own cache of earlier positions, then
-                            the model's ffn; no sconv)
+                            the model's ffn, or `MtpConfig.ffn`; no sconv)
   logits_i(t) = lm_head(norm_o(g_i(t)))                          (the distribution of x_{t+i+1})
 After the base model's step at the last position t (whose next token x_{t+1} was just chosen),
 head 1 proposes x_{t+2}; head 2, fed head 1's proposal as x_{t+2}, proposes x_{t+3}; and so on.
@@ -13,6 +13,8 @@ The heads share the base model's embedding table and lm_head.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,8 @@ class MtpHead(nnx.Module):
         self.norm_h = RMSNorm(d, eps, ops, dtype=dtype)
         self.norm_e = RMSNorm(d, eps, ops, dtype=dtype)
         self.proj = param(rngs, (2 * d, d), (None, "embed"), dtype)
-        self.block = Block(cfg, 0, ops, dtype=dtype, rngs=rngs, entry=entry)
+        own = cfg if cfg.mtp is None or cfg.mtp.ffn is None else replace(cfg, ffn=cfg.mtp.ffn)
+        self.block = Block(own, 0, ops, dtype=dtype, rngs=rngs, entry=entry)
         self.norm_o = RMSNorm(d, eps, ops, dtype=dtype)
 
     def __call__(

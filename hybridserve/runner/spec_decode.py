@@ -61,11 +61,6 @@ class SpecDecoder:
                 f"speculative method 'mtp' with {self.k} tokens needs as many MTP heads; "
                 f"the model has {heads}"
             )
-        if config.method == "mtp" and "mamba" in cfg.layer_types:
-            raise ValueError(
-                "MTP heads of Mamba hybrids are not supported yet (speculative decoding with "
-                "another drafter, such as method 'ngram', is)"
-            )
         self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (0-padded)
         self._zeros: jax.Array | None = None
         self.num_drafts = self.num_accepted = self.num_steps = 0

@@ -199,8 +199,45 @@ def hf_sources(cfg: ModelConfig) -> dict[str, list[Source]]:
                 False,
                 fused_gate=cfg.mlp.intermediate_size,
             )
+    if fam == "nemotron_h" and cfg.mtp is not None:
+        _nemotron_mtp(table, cfg)
     return table
 
 
-# Tensors a checkpoint may hold that the model deliberately does not use.
+def eh_proj(arrs: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """Nemotron-H's `eh_proj` [D, 2D] (inputs: the normed embedding, then the normed hidden
+    state) as our `MtpHead.proj` [2D, D] (rows: the hidden state's, then the embedding's)."""
+    w = np.asarray(arrs[0]).T
+    d = w.shape[0] // 2
+    out = np.concatenate([w[d:], w[:d]], axis=0)
+    if out.shape != shape:
+        raise ValueError(f"eh_proj: expected {shape[::-1]} transposed, got {arrs[0].shape}")
+    return out
+
+
+def _nemotron_mtp(table: dict, cfg: ModelConfig) -> None:
+    """Nemotron-H's MTP steps (`mtp.layers.{2i}`: enorm, hnorm, eh_proj, norm and an attention
+    mixer; `mtp.layers.{2i+1}`: norm, an mlp or moe mixer and final_layernorm) as `MtpHead` i:
+    norm_e, norm_h, proj, block.norm + block.mixer, block.ffn_norm + block.ffn, norm_o."""
+    for i in range(cfg.mtp.num_heads):
+        ours = f"mtp.{i}"
+        first, second = (f"mtp.layers.{2 * i + j}" for j in (0, 1))
+        for norm, (hf, name) in {
+            "norm_e": (first, "enorm"),
+            "norm_h": (first, "hnorm"),
+            "block.norm": (first, "norm"),
+            "block.ffn_norm": (second, "norm"),
+            "norm_o": (second, "final_layernorm"),
+        }.items():
+            table[f"{ours}.{norm}.weight"] = [Source((f"{hf}.{name}.weight",), same)]
+        table[f"{ours}.proj"] = [Source((f"{first}.eh_proj.weight",), eh_proj)]
+        _attention(table, cfg, f"{ours}.block.mixer", f"{first}.mixer")
+        if cfg.mtp.ffn == "moe":
+            _nemotron_moe(table, cfg, f"{ours}.block.ffn", f"{second}.mixer")
+        else:
+            _mlp(table, f"{ours}.block.ffn", f"{second}.mixer", cfg.mlp.gated, cfg.mlp.bias)
+
+
+# Tensors a checkpoint may hold that the model deliberately does not use (MTP layers when the
+# config asks for none; `rotary_emb.inv_freq` buffers).
 IGNORED_PREFIXES = ("mtp.", "model.mtp.", "backbone.mtp.")

@@ -35,3 +35,21 @@ def test_speculation_on_a_mamba_hybrid_under_pd_equals_plain(plain):  # noqa: F8
         assert 0 < s["spec_num_accepted"] < s["spec_num_drafts"]
         for engine in (prefill.engine, decode.engine):
             assert engine.scheduler.coordinator.pool.num_used == 0
+
+
+def test_mtp_layers_of_a_mamba_hybrid_under_pd_equal_plain(plain, tmp_path):  # noqa: F811
+    # Nemotron-H's MTP layers (`nemotron_mtp`) on the decode side, both sides from the same
+    # checkpoint (their caches hold the MTP step's attention as well).
+    from tests.hybridserve.nemotron_mtp import write_nemotron_mtp
+
+    path = write_nemotron_mtp(tmp_path / "m", mimic=0.95)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    prefill = LLM(path, **SETTINGS, progress=False, kv_transfer_config=_role("kv_producer"))
+    decode = LLM(path, **SETTINGS, progress=False, kv_transfer_config=_role("kv_consumer"),
+                 speculative_config=spec)  # fmt: skip
+    with prefill, decode:
+        assert _pd_generate(prefill, decode, _prompts(), GREEDY) == plain
+        s = decode.engine.stats()
+        assert s["spec_num_drafts"] > 0
+        for engine in (prefill.engine, decode.engine):
+            assert engine.scheduler.coordinator.pool.num_used == 0

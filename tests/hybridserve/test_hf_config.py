@@ -57,6 +57,12 @@ def test_round_trip_through_our_json(hf_checkpoint):
         (lambda r: r.update(layers_block_type=["mamba", "conv"]), "unknown layer kind 'conv'"),
         (lambda r: r.update(n_group=3), "n_group"),
         (lambda r: r.update(time_step_limit=[1.0, 0.5]), "time_step_limit"),
+        (
+            lambda r: r.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="M*")
+            or r.pop("mtp_layers_block_type", None),
+            "'mtp_hybrid_override_pattern' = \\['M', '\\*'\\]: only an attention layer",
+        ),
+        (lambda r: r.update(num_nextn_predict_layers=-1), "num_nextn_predict_layers' = -1"),
     ],
 )
 def test_bad_configs_name_the_field(hf_checkpoint, tmp_path, edit, message):
@@ -64,6 +70,19 @@ def test_bad_configs_name_the_field(hf_checkpoint, tmp_path, edit, message):
     edit(raw)
     with pytest.raises(ConfigError, match=message):
         parse_hf_config(_write(tmp_path, raw))
+
+
+def test_nemotron_h_mtp_fields(hf_checkpoint, tmp_path):
+    # NVIDIA's spellings: the legacy pattern string, or the newer list of layer names
+    raw = dict(_saved(hf_checkpoint, "nemotron_h"), num_nextn_predict_layers=1)
+    raw.pop("mtp_layers_block_type", None)  # (transformers writes its default list)
+    assert parse_hf_config(_write(tmp_path, raw)).mtp.ffn == "moe"  # "*E" by default
+    raw["mtp_layers_block_type"] = ["attention", "mlp"]
+    cfg = parse_hf_config(_write(tmp_path, raw))
+    assert cfg.mtp.num_heads == 1 and cfg.mtp.ffn == "mlp" and cfg.mlp is not None
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    raw["num_nextn_predict_layers"] = 0
+    assert parse_hf_config(_write(tmp_path, raw)).mtp is None
 
 
 def test_legacy_pattern_length_mismatch(hf_checkpoint, tmp_path):

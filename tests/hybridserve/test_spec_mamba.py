@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_shapes import TINY
@@ -121,3 +123,108 @@ def test_ngram_speculation_on_a_mamba_hybrid_equals_plain(plain_llm):
         s = llm.engine.stats()
         assert 0 < s["spec_num_accepted"] < s["spec_num_drafts"]
         assert s["spec_tokens_per_step"] > 1.5
+
+
+# --- MTP layers of a Mamba hybrid (Nemotron-H's `mtp.layers.*`) ------------------------------
+
+MTP_SETTINGS = {**SETTINGS, "max_num_seqs": 8}
+TOP_K, PROMPT, ALPHA = 4, list(range(100, 111)), 1e-3
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory) -> str:
+    """The shipped model's weights plus one MTP step (`nemotron_mtp`)."""
+    from tests.hybridserve.nemotron_mtp import write_nemotron_mtp
+
+    return write_nemotron_mtp(tmp_path_factory.mktemp("nmtp") / "m", mimic=0.95)
+
+
+@pytest.fixture(scope="module")
+def mtp_llm(mtp_path):
+    """Drafting one token a step with the MTP layers."""
+    path = mtp_path
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with LLM(path, **MTP_SETTINGS, progress=False, speculative_config=spec) as llm:
+        yield llm
+
+
+def test_mtp_layers_of_a_mamba_hybrid_draft_and_greedy_equals_plain(mtp_llm, plain):
+    cfg = mtp_llm.engine.runner.cfg
+    assert cfg.mtp is not None and cfg.mtp.num_heads == 1 and cfg.mtp.ffn == "moe"
+    before = mtp_llm.engine.stats()["spec_num_drafts"]
+    assert _run(mtp_llm, _prompts(), GREEDY) == plain  # the base weights are the shipped ones
+    s = mtp_llm.engine.stats()
+    assert s["spec_num_drafts"] > before
+    assert mtp_llm.engine.scheduler.coordinator.pool.num_used == 0
+
+
+def test_mtp_sampling_on_a_mamba_hybrid_is_exact(mtp_llm, plain_llm):
+    """The joint distribution of the first two output tokens at temperature 1, top-k 4 (the
+    second always drafted by the MTP step, which the verifier accepts at times and rejects at
+    others; the third, a bonus or residual token, not counted) equals the exact one from the
+    plain engine's one-pass logits (chi-square; test_mtp.py sizes such a test by power)."""
+    from chi_square import p_value
+
+    from hybridserve.runner.sampler import filtered_logits
+
+    runner = plain_llm.engine.runner
+    one = jnp.ones(1)
+
+    def probs(prefix: list[int]) -> np.ndarray:
+        row = jnp.asarray(runner.sequence_logits(PROMPT + prefix))[-1:]
+        f = filtered_logits(row, one, jnp.full(1, TOP_K), one, jnp.zeros(1))
+        return np.asarray(jax.nn.softmax(f, axis=-1)[0], np.float64)
+
+    p1 = probs([])
+    cells = [(int(a), int(b)) for a in np.flatnonzero(p1) for b in np.flatnonzero(probs([int(a)]))]
+    exact = np.array([p1[a] * probs([a])[b] for a, b in cells])
+    n = 320
+    params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
+    before = mtp_llm.engine.stats()
+    got = _run(mtp_llm, [PROMPT] * n, params)
+    s = mtp_llm.engine.stats()
+    drafts = s["spec_num_drafts"] - before["spec_num_drafts"]
+    accepted = s["spec_num_accepted"] - before["spec_num_accepted"]
+    assert 0 < accepted < drafts  # both branches of the verifier ran
+    index = {c: i for i, c in enumerate(cells)}
+    assert all(tuple(g[:2]) in index for g in got)  # nothing outside the support
+    counts = np.bincount([index[tuple(g[:2])] for g in got], minlength=len(cells)).astype(float)
+    assert p_value(counts, exact) > ALPHA
+    # the test tells a verifier that accepts every draft apart (its second token: the draft's)
+    assert accepted / drafts < 0.9
+
+
+def test_mtp_tensors_load_into_the_heads(mtp_llm, mtp_path):
+    # Every MTP tensor of the checkpoint is the head's parameter it names (`hf_names`): the
+    # norms as they are, eh_proj transposed with its halves swapped (ours: [hidden; embedding]
+    # rows, NVIDIA's: [embedding, hidden] columns), the attention projections transposed.
+    from safetensors.torch import load_file
+
+    ckpt = load_file(f"{mtp_path}/model.safetensors")
+    head = mtp_llm.engine.runner.params["mtp"][0]
+
+    def ours(x) -> np.ndarray:
+        return np.asarray(x[...], np.float32)
+
+    def theirs(name: str) -> np.ndarray:
+        return ckpt[name].float().numpy()
+
+    d = theirs("mtp.layers.0.enorm.weight").shape[0]
+    eh = theirs("mtp.layers.0.eh_proj.weight")  # [D, 2D]: inputs [embedding, hidden]
+    np.testing.assert_array_equal(ours(head["proj"]), np.concatenate([eh[:, d:].T, eh[:, :d].T]))
+    pairs = {
+        "norm_e": "mtp.layers.0.enorm",
+        "norm_h": "mtp.layers.0.hnorm",
+        "norm_o": "mtp.layers.1.final_layernorm",
+    }
+    for name, hf in pairs.items():
+        np.testing.assert_array_equal(ours(head[name]["weight"]), theirs(f"{hf}.weight"))
+    block = head["block"]
+    np.testing.assert_array_equal(ours(block["norm"]["weight"]), theirs("mtp.layers.0.norm.weight"))
+    np.testing.assert_array_equal(
+        ours(block["ffn_norm"]["weight"]), theirs("mtp.layers.1.norm.weight")
+    )
+    np.testing.assert_array_equal(
+        ours(block["mixer"]["q_proj"]["kernel"]).reshape(d, -1),
+        theirs("mtp.layers.0.mixer.q_proj.weight").T,
+    )
