@@ -58,8 +58,10 @@ def test_round_trip_through_our_json(hf_checkpoint):
         (lambda r: r.update(n_group=3), "n_group"),
         (lambda r: r.update(time_step_limit=[1.0, 0.5]), "time_step_limit"),
         (
-            lambda r: r.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="M*")
-            or r.pop("mtp_layers_block_type", None),
+            lambda r: (
+                r.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="M*")
+                or r.pop("mtp_layers_block_type", None)
+            ),
             "'mtp_hybrid_override_pattern' = \\['M', '\\*'\\]: only an attention layer",
         ),
         (lambda r: r.update(num_nextn_predict_layers=-1), "num_nextn_predict_layers' = -1"),
