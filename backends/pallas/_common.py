@@ -59,3 +59,13 @@ def dot(lhs: jax.Array, rhs: jax.Array, lhs_contract: int = 1, rhs_contract: int
         precision=jax.lax.Precision.HIGHEST if f32 else None,
         preferred_element_type=jnp.float32,
     )
+
+
+def e4m3_value(bits: jax.Array) -> jax.Array:
+    """float32 value of float8_e4m3fn bit patterns (NaN, 0x7f / 0xff, never occurs: quantised
+    values are clipped to 448), by building the float32 bits (no float8 loads in the kernel)."""
+    bits = bits.astype(jnp.int32)
+    exp, man = (bits >> 3) & 15, bits & 7
+    normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)
+    value = jnp.where(exp == 0, man.astype(jnp.float32) * (2.0**-9), normal)
+    return jnp.where(bits >= 128, -value, value)

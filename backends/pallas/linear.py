@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from backends.fused import Norm
-from backends.pallas._common import interpret, triton_params
+from backends.pallas._common import e4m3_value, interpret, triton_params
 from backends.protocol import register
 from backends.xla.linear import ACTIVATIONS, check_linear
 from backends.xla.linear import linear as linear_reference
@@ -95,6 +95,7 @@ def _kernel(
     has_bias: bool,
     has_res: bool,
     has_w_scale: bool,
+    fp8_bits: bool = False,
 ):
     refs = list(refs)
     norm_w_ref = refs.pop(0) if norm else None
@@ -116,7 +117,8 @@ def _kernel(
         ks = start + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
         k_ok = None if end is None else ks < end
         ok = col_ok[:, None] & (True if end is None else k_ok[None, :])
-        w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0).astype(F32)
+        w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=ok, other=0)
+        w = e4m3_value(w) if fp8_bits else w.astype(F32)  # e4m3 rows come as their bytes
         if norm:
             nw = _load(norm_w_ref.at[ks], k_ok).astype(F32)
         parts, sums = list(parts), list(sums)
@@ -236,7 +238,8 @@ def linear_tiled(
     if splits < 1 or k % splits or (norm is not None and (k // splits) % (group or k)):
         what = f"groups of {group or k}" if norm is not None else "keys"
         raise ValueError(f"{splits} splits of K = {k} must each hold whole {what}")
-    args = [x.reshape(m, k), w]
+    fp8_bits = w.dtype == jnp.float8_e4m3fn  # read as bytes: Triton has no masked e4m3 load
+    args = [x.reshape(m, k), jax.lax.bitcast_convert_type(w, jnp.uint8) if fp8_bits else w]
     if norm is not None:
         args.append(norm.weight)
         if gated:
@@ -258,6 +261,7 @@ def linear_tiled(
         eps=0.0 if norm is None else float(norm.eps),
         group=group,
         gate_offset=norm.gate_offset if gated else 0,
+        fp8_bits=fp8_bits,
         splits=splits,
         act=activation,
         scale=float(scale),

@@ -29,7 +29,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from backends import fp8, nvfp4
-from backends.pallas._common import dot, interpret, next_pow2, pad_axis, round_up, triton_params
+from backends.pallas._common import (
+    dot,
+    e4m3_value,
+    interpret,
+    next_pow2,
+    pad_axis,
+    round_up,
+    triton_params,
+)
 from backends.protocol import register
 from backends.xla.fp8 import check_scales
 
@@ -120,16 +128,6 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     return _launch(kernel, "grouped_matmul", rows, xs, [ws], tn, dtype)[:m, :dout]
 
 
-def _e4m3_value(bits: jax.Array) -> jax.Array:
-    """float32 value of float8_e4m3fn bit patterns (NaN, 0x7f / 0xff, never occurs: quantised
-    values are clipped to 448), by building the float32 bits (no float8 loads in the kernel)."""
-    bits = bits.astype(jnp.int32)
-    exp, man = (bits >> 3) & 15, bits & 7
-    normal = jax.lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), F32)
-    value = jnp.where(exp == 0, man.astype(F32) * (2.0**-9), normal)
-    return jnp.where(bits >= 128, -value, value)
-
-
 def _nvfp4_kernel(first_ref, last_ref, eid_ref, x_ref, c_ref, s_ref, t_ref, o_ref, *, n_k):
     """Like `_gmm_kernel`, over 32-row K blocks of NVFP4 weights: each block's two nibble
     planes are decoded to [16, TN] tiles, scaled (`(e2m1 * scale) * tensor_scale`, float32,
@@ -144,7 +142,7 @@ def _nvfp4_kernel(first_ref, last_ref, eid_ref, x_ref, c_ref, s_ref, t_ref, o_re
         def k_step(j, acc):
             packed = c_ref[e, pl.ds(pl.multiple_of(j * half, half), half), :]  # [16, TN]
             for plane, code in enumerate((packed & 15, packed >> 4)):
-                scale = _e4m3_value(s_ref[e, pl.ds(2 * j + plane, 1), :])  # [1, TN]
+                scale = e4m3_value(s_ref[e, pl.ds(2 * j + plane, 1), :])  # [1, TN]
                 w = (nvfp4.e2m1_value(code) * scale * tensor_scale).astype(x_ref.dtype)
                 start = pl.multiple_of(j * nvfp4.BLOCK + plane * half, half)
                 xk = x_ref[:, pl.ds(start, half)]  # [TM, 16]
@@ -192,7 +190,7 @@ def _fp8_kernel(first_ref, last_ref, eid_ref, x_ref, w_ref, s_ref, o_ref, *, n_k
         def k_step(k, part):
             cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
             xk = x_ref[:, cols]  # [TM, TK]
-            wk = _e4m3_value(w_ref[e, cols, :]).astype(x_ref.dtype)  # [TK, TN]
+            wk = e4m3_value(w_ref[e, cols, :]).astype(x_ref.dtype)  # [TK, TN]
             return part + dot(jnp.where(mine, xk, jnp.zeros_like(xk)), wk)
 
         part = jax.lax.fori_loop(0, n_k, k_step, jnp.zeros(o_ref.shape, F32))
