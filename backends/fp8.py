@@ -92,7 +92,11 @@ def fp8_matmul(
         return fp8_einsum("...k,nk->...n", x, w, w_scale, x_scale)
     q = quantize(x, x_scale)
     dims = (((q.ndim - 1,), (1,)), ((), ()))
-    y = jax.lax.dot_general(q, w, dims, preferred_element_type=F32)
+    # HIGHEST: XLA then keeps cuBLASLt's FP8 accumulation exact (DEFAULT asks for its "fast
+    # accumulation", which measured 2.5% relative error at K = 4480 on an H100)
+    y = jax.lax.dot_general(
+        q, w, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32
+    )
     return y * (jnp.asarray(x_scale, F32) * w_scale.astype(F32))
 
 
