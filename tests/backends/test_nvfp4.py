@@ -64,11 +64,11 @@ def test_packing_is_block_planar_and_round_trips():
 
 
 def test_e4m3_scales_read_back_exactly_in_the_kernel_decoder():
-    from backends.pallas.moe import _e4m3_value
+    from backends.pallas._common import e4m3_value
 
     bits = np.arange(0, 0x7F, dtype=np.uint8)  # every non-negative finite e4m3 value
     want = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(_e4m3_value(jnp.asarray(bits))), want)
+    np.testing.assert_array_equal(np.asarray(e4m3_value(jnp.asarray(bits))), want)
 
 
 def test_k_must_be_whole_blocks():

@@ -178,7 +178,7 @@ def test_mtp_sampling_on_a_mamba_hybrid_is_exact(mtp_llm, plain_llm):
     p1 = probs([])
     cells = [(int(a), int(b)) for a in np.flatnonzero(p1) for b in np.flatnonzero(probs([int(a)]))]
     exact = np.array([p1[a] * probs([a])[b] for a, b in cells])
-    n = 320
+    n = 200
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
     before = mtp_llm.engine.stats()
     got = _run(mtp_llm, [PROMPT] * n, params)

@@ -101,7 +101,10 @@ async def _load(url: str, num_requests: int, concurrency: int, leave: float) -> 
     gate = asyncio.Semaphore(concurrency)
     # idle pooled connections expire well before the server's 5 s keep-alive closes them: a
     # request sent on a connection the server is closing gets ReadError (seen on a loaded host)
-    limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=1.0)
+    # A connection per request: on a loaded host the server's event loop can lag past its
+    # keep-alive timeout, and a request sent on a pooled connection then meets the close
+    # (`httpx.ReadError`, seen in a cold CI run); a fresh connection never does.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
 
         async def one(i: int) -> dict:
