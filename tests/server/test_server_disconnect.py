@@ -115,8 +115,8 @@ async def _load(url: str, num_requests: int, concurrency: int, leave: float) -> 
 
 
 def test_load_with_early_disconnects(server):
-    """500 requests at concurrency 64, 10% leaving early (HYBRIDSERVE_LOAD=NxC to change)."""
-    size = os.environ.get("HYBRIDSERVE_LOAD", "500x64")
+    """320 requests at concurrency 64, 10% leaving early (HYBRIDSERVE_LOAD=NxC to change)."""
+    size = os.environ.get("HYBRIDSERVE_LOAD", "320x64")
     num_requests, concurrency = (int(x) for x in size.split("x"))
     before = server.metrics()
     results = asyncio.run(_load(server.url, num_requests, concurrency, leave=0.1))
