@@ -60,7 +60,13 @@ from hybridserve.cache.page_layout import (
 )
 from hybridserve.cache.page_layout import held_range as held_range  # re-exported
 from hybridserve.cache.plan import CachePlan
-from hybridserve.cache.spec import FullAttentionSpec, MambaSpec, SconvSpec, canonical_dtype
+from hybridserve.cache.spec import (
+    FullAttentionSpec,
+    MambaSpec,
+    SconvSpec,
+    canonical_dtype,
+    sconv_heads,
+)
 from hybridserve.config import ModelConfig
 
 FA_KINDS = ("full_attention", "sliding_window")
@@ -164,9 +170,8 @@ class RankLayout:
                 kv_dtype=canonical_dtype(attn[0].dtype),
                 sliding_window=a.sliding_window or 0,
             )
-        sconv = [g.spec for g in plan.groups if isinstance(g.spec, SconvSpec)]
-        if sconv:
-            fields["sconv_heads"] = sconv[0].num_kv_heads * plan.tensor_parallel_size
+        if any(isinstance(g.spec, SconvSpec) for g in plan.groups):
+            fields["sconv_heads"] = sconv_heads(cfg, plan.tensor_parallel_size)
         mamba = [g.spec for g in plan.groups if isinstance(g.spec, MambaSpec)]
         if mamba:
             m, spec = cfg.mamba, mamba[0]

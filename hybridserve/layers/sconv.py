@@ -77,7 +77,7 @@ class ShortConv(nnx.Module):
         bias = jnp.zeros((c,), weight.dtype) if self.bias is None else self.bias[...]
         rids = sorted({a.region for a in accs})
         tables = tuple(inputs.tables[a.group] for a in accs)
-        where = (tables, inputs.positions, inputs.lengths)
+        where = (tables, inputs.positions, inputs.valid, inputs.lengths)
         args = (by_head(u, 2), weight, by_head(bias, 0), tuple(regions[r] for r in rids), where)
         if tp == 1 or layout.mesh is None:
             y, out = self._local(*args, accs, rids, tp)
@@ -107,15 +107,14 @@ class ShortConv(nnx.Module):
         weight: jax.Array,
         bias: jax.Array,
         regions: tuple[jax.Array, ...],
-        where: tuple[tuple[jax.Array, ...], jax.Array, jax.Array],
+        where: tuple[tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array],
         accs: list[AttentionAccess],
         rids: list[int],
         tp: int,
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The conv of the heads in `u` [B, T, n, 2, S', hd] (S' heads: all of them, or one
         rank's inside `shard_map` with `tp` = 1), its state in `regions` (those of `rids`)."""
-        tables, positions, lengths = where
-        valid = jnp.arange(u.shape[1])[None, :] < lengths[:, None]
+        tables, positions, valid, lengths = where
         regions = list(regions)
         b, t = u.shape[:2]
         rows = self.width - 1
