@@ -52,9 +52,17 @@ def sconv_bytes_per_token(llm: LLM) -> tuple[int, int]:
         assert len({s.device for s in shards}) == tp
         assert all(s.data.nbytes == runner.num_pages * plan.page_size_bytes for s in shards)
     groups = [g for g in plan.groups if isinstance(g.spec, SconvSpec)]
-    entries = sum(e is not None for g in groups for e in g.layers)
     assert {g.spec.bytes_per_token for g in groups} == {groups[0].spec.bytes_per_token}
-    return entries * groups[0].spec.bytes_per_token, groups[0].spec.num_kv_heads * tp
+    return per_token(plan), groups[0].spec.num_kv_heads * tp
+
+
+def per_token(plan) -> int:
+    """Bytes per token of every sconv entry of `plan`, on one rank."""
+    return sum(
+        g.spec.bytes_per_token * sum(e is not None for e in g.layers)
+        for g in plan.groups
+        if isinstance(g.spec, SconvSpec)
+    )
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -96,14 +104,6 @@ def test_ranks_hold_disjoint_sconv_heads(kv_heads, tp, held):
     assert sorted(x for r in ranges for x in r) == list(range(max(kv_heads, tp)))
     assert {len(r) for r in ranges} == {held}
     one = make_plan(cfg, CacheConfig(), 1, "float32")
-
-    def per_token(p):
-        return sum(
-            g.spec.bytes_per_token * sum(e is not None for e in g.layers)
-            for g in p.groups
-            if isinstance(g.spec, SconvSpec)
-        )
-
     channels = 3 * (2 * kv_heads * 8 + 48 + 48) * 4  # 3 layers: kv, out, ffn sites, float32
     width = 2 * max(kv_heads, tp) * 8  # channels of one entry at this TP
     padded = 3 * sum(-(-c // width) * width for c in (2 * kv_heads * 8, 48, 48)) * 4
