@@ -136,7 +136,28 @@ def run_level(model: str, c: int, mode: str, args, reference=None, timed=True):
         "outputs_sha1": hashlib.sha1(json.dumps(tokens).encode()).hexdigest(),
     }
     row.update({k: v for k, v in stats.items() if k.startswith("spec_")})
+    row["mean_step_ms"] = row["mean_itl_ms"] * (row.get("spec_tokens_per_step") or 1.0)
     return row, pairs
+
+
+def draft_cost(rows: list[dict]) -> list[dict]:
+    """Per concurrency: the drafting cost per step, as mtp's step time minus oracle's (both
+    verify the same k + 1 tokens; the oracle drafts on the host for free), against `none`'s step."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["concurrency"] == c}
+        if {"none", "mtp", "oracle"} <= by.keys():
+            ms = by["mtp"]["mean_step_ms"] - by["oracle"]["mean_step_ms"]
+            plain = by["none"]["mean_step_ms"]
+            out.append(
+                {
+                    "concurrency": c,
+                    "draft_ms": ms,
+                    "plain_step_ms": plain,
+                    "draft_over_plain_step": ms / plain,
+                }
+            )
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -249,6 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
         if tmp is not None:
             tmp.cleanup()
     save(rows, failures)
+    result["draft_cost"] = draft_cost(rows)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
     print(
         f"{'mode':>6} {'conc':>4} {'reqs':>4} {'out tok/s':>9} {'tok/s/user':>10} "
         f"{'ITL ms':>7} {'TTFT ms':>8} {'accept':>6} {'tok/step':>8} {'=none':>5}"
@@ -261,6 +285,11 @@ def main(argv: list[str] | None = None) -> dict:
             f"{fmt(r.get('spec_acceptance_rate'), '6.3f'):>6} "
             f"{fmt(r.get('spec_tokens_per_step'), '8.2f'):>8} "
             f"{str(r.get('outputs_match_none', '-')):>5}"
+        )
+    for d in result["draft_cost"]:
+        print(
+            f"C={d['concurrency']}: drafting costs {d['draft_ms']:.2f} ms a step (mtp - oracle) "
+            f"= {d['draft_over_plain_step']:.3f} of a plain step ({d['plain_step_ms']:.2f} ms)"
         )
     for f in failures:
         print(f"CHECK FAILED: {f}")
