@@ -52,7 +52,7 @@ def build_inkling(cfg: ModelConfig, seed: int = 0) -> HybridModel:
     model = HybridModel(cfg, load_ops("xla"), dtype=jnp.float32, rngs=nnx.Rngs(seed))
     rng = nnx.Rngs(seed + 100)
     for blk in model.layers:
-        for conv in blk.sconv.values():
+        for conv in (blk.sconv or {}).values():
             conv.weight[...] = 0.5 * jax_normal(rng, conv.weight[...].shape)
             conv.bias[...] = 0.1 * jax_normal(rng, conv.bias[...].shape)
         blk.mixer.rel_table[...] = blk.mixer.rel_table[...] * 4
@@ -81,3 +81,41 @@ def one_pass_greedy(runner, ids: list[int], n: int, mm=None) -> list[int]:
         logits = np.asarray(runner.sequence_logits(seq, mm))
         seq.append(int(np.argmax(logits[-1])))
     return seq[len(ids) :]
+
+
+def emulating_heads(model: HybridModel, noise: float = 0.0, seed: int = 0) -> None:
+    """Set every MTP head of a one-block Inkling (full attention, no sconv) to the weights that
+    training it to predict the base model converges to here: the base block itself, reading
+    the look-ahead token's embedding. Head i at position t, fed E[x_{t+i+1}], attends over its
+    own cache, whose entry at s was computed from x_{s+i+1}: so it computes the base model at
+    position t + i + 1 but for the first i + 1 tokens of the sequence (outside its cache), and
+    its logits are the base model's next-token logits up to that. Concretely, in place:
+      embedding rows rescaled to one RMS rho (so norm_e(E[x]) = E[x] with norm_e's weight = rho)
+      W_i = [0 ; I] (the hidden half unused), Block_i = the base block, norm_o = norm_f
+    `noise` adds noise * std(w) * N(0, 1) to each of the head block's weights (an imperfectly
+    trained head: its drafts then go wrong now and then)."""
+    import jax
+
+    cfg = model.config
+    base = model.layers[0]
+    assert cfg.num_layers == 1 and base.sconv is None and base.kind == "attention", cfg
+    e = model.embed[...]
+    rms = jnp.sqrt(jnp.mean(e * e, axis=-1, keepdims=True))
+    model.embed[...] = e / rms * jnp.mean(rms)
+    rho = jnp.mean(rms) * cfg.embedding_multiplier
+    d = cfg.hidden_size
+    key = jax.random.key(seed)
+    for i, head in enumerate(model.mtp):
+        weights = nnx.state(base, nnx.Param)
+        if noise:
+            leaves, tree = jax.tree.flatten(weights)
+            keys = jax.random.split(jax.random.fold_in(key, i), len(leaves))
+            leaves = [
+                w + noise * jnp.std(w) * jax.random.normal(k, w.shape, w.dtype)
+                for w, k in zip(leaves, keys, strict=True)
+            ]
+            weights = jax.tree.unflatten(tree, leaves)
+        nnx.update(head.block, weights)
+        head.proj[...] = jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)]).astype(e.dtype)
+        head.norm_e.weight[...] = jnp.full((d,), rho, e.dtype)
+        head.norm_o.weight[...] = model.norm_f.weight[...]
