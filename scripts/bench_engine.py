@@ -36,6 +36,7 @@ import argparse
 import gc
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -49,6 +50,7 @@ import numpy as np
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig
+from hybridserve.engine import WARMUP_ENV
 from hybridserve.entrypoints import DEFAULT_MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -239,6 +241,9 @@ def git_commit() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # each cell's warmup pass compiles the programs its workload uses; the engine's start-up
+    # warmup would compile every bucket of every engine (minutes per engine for `mid` on a GPU)
+    os.environ.setdefault(WARMUP_ENV, "0")
     built, tmp = None, None
     model = args.model or str(DEFAULT_MODEL)
     if args.random_config:
