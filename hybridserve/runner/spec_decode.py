@@ -61,7 +61,7 @@ class SpecDecoder:
                 f"speculative method 'mtp' with {self.k} tokens needs as many MTP heads; "
                 f"the model has {heads}"
             )
-        self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (0-padded)
+        self._q: dict[str, jax.Array] = {}  # req_id -> [k, V] draft distributions (`_set`)
         self._zeros: jax.Array | None = None
         self.num_drafts = self.num_accepted = self.num_steps = 0
         self._last: tuple | None = None  # (result, out, sampled, keys) of the last step
@@ -244,8 +244,8 @@ class SpecDecoder:
         for i in live:
             r = p.chunks[i].req_id
             n = want[r]
-            qs = None if q is None or params[r].temperature <= 0 else list(q[i, :n])
-            self._set(r, drafts[i, :n].tolist(), qs, params[r].temperature <= 0)
+            q_r = None if q is None or params[r].temperature <= 0 else q[i]  # one slice
+            self._set(r, drafts[i, :n].tolist(), q_r, params[r].temperature <= 0)
 
     # -- the hidden-state history (`draft_chain`) -------------------------------------------
 
@@ -271,23 +271,19 @@ class SpecDecoder:
             slot = self._slots[req_id] = self._free.pop()
         return slot
 
-    def _set(
-        self, req_id: str, drafts: list[int], qs: list[jax.Array] | None, greedy: bool
-    ) -> None:
-        """Propose `drafts` for `req_id` and keep their distributions, [k, V] zero-padded
-        (None: deterministic drafts, one-hot; not kept for greedy requests, whose check
-        ignores q)."""
+    def _set(self, req_id: str, drafts: list[int], q: jax.Array | None, greedy: bool) -> None:
+        """Propose `drafts` for `req_id` and keep their distributions `q` [k, V] (the rows
+        past the drafts are ignored by `verify`; None: deterministic drafts, one-hot, the rest
+        zeros). Not kept for greedy requests, whose check ignores q."""
         self._drafts[req_id] = list(drafts)
-        vocab = self.runner.cfg.vocab_size
         if greedy:
             return
-        if not qs:
+        if q is None:
             padded = np.zeros(self.k, np.int32)
             padded[: len(drafts)] = drafts
             mask = (np.arange(self.k) < len(drafts))[:, None]
+            vocab = self.runner.cfg.vocab_size
             q = jax.nn.one_hot(jnp.asarray(padded), vocab, dtype=jnp.float32) * mask
-        else:
-            q = jnp.stack(list(qs) + [jnp.zeros(vocab, jnp.float32)] * (self.k - len(qs)))
         self._q[req_id] = q
 
     def forget(self, req_id: str) -> None:

@@ -1,5 +1,5 @@
-"""Speculative decoding with MTP heads through the engine (tiny Inkling with 8 heads, 3 drafting
-but in the 8-head test).
+"""Speculative decoding with MTP heads through the engine (tiny Inkling with 8 heads, 3 of them
+drafting; all 8 drafting, on heads that predict the model: test_mtp_trained).
 
 - Greedy: the speculative output equals plain greedy decoding token for token (continuous
   batching, chunked prefill, prefix-cache hits), with the real heads proposing (random
@@ -40,7 +40,7 @@ from tests.hybridserve.inkling_models import (
 )
 
 K = 3
-HEADS = 8  # the model's heads: K of them draft, except in the 8-head test
+HEADS = 8  # the model's heads: K of them draft
 # Three seats (five prompts queue), chunks of 16 tokens; every engine of the module keeps the
 # pool of these settings, so the programs of its rows carry from engine to engine.
 SETTINGS = dict(dtype="float32", max_model_len=128, max_num_seqs=3, max_prefill_chunk=16)
@@ -152,37 +152,6 @@ def test_drafts_after_rejections_equal_drafts_computed_afresh(ckpt):
         _run(fresh, [list(ids[:-1])], first)  # prefill, then the same last token sampled
         (fresh_ids, fresh_drafts) = fresh_seen[0]  # as many drafts as there is room for
         assert (fresh_ids, fresh_drafts[: len(drafts)]) == (ids, drafts), len(ids)
-
-
-def test_eight_heads_draft_in_one_program_per_step(ckpt, plain):
-    """k = 8 (9 tokens per step): the real heads' greedy output equals plain decoding, an
-    oracle's perfect drafts give 9 tokens a step, and each engine step runs the whole chain of
-    8 heads as one program per pass (one dispatch, not one per head)."""
-    prompts, n = _prompts()[:3], 1 + HEADS + 1  # the prefill's token, then one step of 9
-    want = [out[:n] for out in plain[:3]]
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    llm = _llm(ckpt, {"method": "mtp", "num_speculative_tokens": HEADS})
-    runner = llm.engine.runner
-    chain_calls, chain = [], runner._chain
-    runner._chain = lambda *a, **kw: chain_calls.append(kw["k"]) or chain(*a, **kw)
-    steps, step = [], llm.engine.step
-    llm.engine.step = lambda: steps.append(1) or step()
-    assert _run(llm, prompts, params) == want
-    # one chain per program of a step (a step runs at most a prefill and a decode program)
-    assert set(chain_calls) == {HEADS} and len(steps) <= len(chain_calls) <= 2 * len(steps)
-    assert llm.engine.stats()["spec_num_drafts"] > 0
-    replay = {tuple(p): out for p, out in zip(prompts, want, strict=True)}
-
-    def oracle(ids: list[int], k: int) -> list[int]:
-        prompt = next(p for p in replay if tuple(ids[: len(p)]) == p)
-        return replay[prompt][len(ids) - len(prompt) :][:k]
-
-    spec = {"method": "oracle", "num_speculative_tokens": HEADS, "oracle": oracle}
-    llm = _llm(ckpt, spec)
-    assert _run(llm, prompts, params) == want
-    s = llm.engine.stats()
-    assert s["spec_num_drafts"] == s["spec_num_accepted"] == HEADS * len(prompts)
-    assert s["spec_tokens_per_step"] == HEADS + 1
 
 
 @dataclasses.dataclass(frozen=True)
