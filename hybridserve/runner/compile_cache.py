@@ -68,14 +68,16 @@ def enable_compilation_cache() -> Path | None:
         monitoring.register_event_listener(_on_event)
         _LISTENING = True
     where = default_dir()
-    if where is None or jax.config.jax_compilation_cache_dir == str(where):
-        return where
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        log.warning("compilation cache off: cannot create %s (%s)", where, err)
+    if where is None:
         return None
-    jax.config.update("jax_compilation_cache_dir", str(where))
+    if jax.config.jax_compilation_cache_dir != str(where):
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            log.warning("compilation cache off: cannot create %s (%s)", where, err)
+            return None
+        jax.config.update("jax_compilation_cache_dir", str(where))
+    # every program, also where the directory came from $JAX_COMPILATION_CACHE_DIR
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return where
