@@ -79,22 +79,22 @@ def warmup(runner: StepRunner, max_num_seqs: int, max_tokens: int, progress: boo
     cores the tiny Inkling's 31 programs (cold cache) took 52.7 s on two threads against
     64.0 s on one."""
     todo = shapes(max_num_seqs, max_tokens, runner.pack_limits)
-    bar = tqdm(total=len(todo), desc="compiling", unit="program", disable=not progress)
-    threads = compile_threads()
-    if threads > 1 and len(todo) > 1:
-        batches = [dummy_batch(runner, b, t, packed) for b, t, packed in todo]
-        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="compile") as pool:
+    batches = [dummy_batch(runner, b, t, packed) for b, t, packed in todo]
+    bar = tqdm(total=len(batches), desc="compiling", unit="program", disable=not progress)
+    threads = min(compile_threads(), len(batches))
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
             for _ in pool.map(runner.compile_step, batches):
                 bar.update()
         bar.close()
-        bar = tqdm(total=len(todo), desc="first runs", unit="program", disable=not progress)
-    for b, t, packed in todo:
-        runner.run(dummy_batch(runner, b, t, packed))
+        bar = tqdm(total=len(batches), desc="first runs", unit="program", disable=not progress)
+    for batch in batches:
+        runner.run(batch)
         bar.update()
     bar.close()
     runner.copy_pages([(0, 0)])
     jax.block_until_ready(runner.regions)
-    return len(todo) + 1
+    return len(batches) + 1
 
 
 def compile_threads() -> int:
