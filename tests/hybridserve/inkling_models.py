@@ -83,7 +83,7 @@ def one_pass_greedy(runner, ids: list[int], n: int, mm=None) -> list[int]:
     return seq[len(ids) :]
 
 
-def emulating_heads(model: HybridModel, noise: float = 0.0, seed: int = 0) -> None:
+def emulating_heads(model: HybridModel) -> None:
     """Set every MTP head of a one-block Inkling (full attention, no sconv) to the weights that
     training it to predict the base model converges to here: the base block itself, reading
     the look-ahead token's embedding. Head i at position t, fed E[x_{t+i+1}], attends over its
@@ -91,11 +91,7 @@ def emulating_heads(model: HybridModel, noise: float = 0.0, seed: int = 0) -> No
     position t + i + 1 but for the first i + 1 tokens of the sequence (outside its cache), and
     its logits are the base model's next-token logits up to that. Concretely, in place:
       embedding rows rescaled to one RMS rho (so norm_e(E[x]) = E[x] with norm_e's weight = rho)
-      W_i = [0 ; I] (the hidden half unused), Block_i = the base block, norm_o = norm_f
-    `noise` adds noise * std(w) * N(0, 1) to each of the head block's weights (an imperfectly
-    trained head: its drafts then go wrong now and then)."""
-    import jax
-
+      W_i = [0 ; I] (the hidden half unused), Block_i = the base block, norm_o = norm_f"""
     cfg = model.config
     base = model.layers[0]
     assert cfg.num_layers == 1 and base.sconv is None and base.kind == "attention", cfg
@@ -104,17 +100,8 @@ def emulating_heads(model: HybridModel, noise: float = 0.0, seed: int = 0) -> No
     model.embed[...] = e / rms * jnp.mean(rms)
     rho = jnp.mean(rms) * cfg.embedding_multiplier
     d = cfg.hidden_size
-    key = jax.random.key(seed)
-    for i, head in enumerate(model.mtp):
-        weights = nnx.state(base, nnx.Param)
-        if noise:
-            leaves, tree = jax.tree.flatten(weights)
-            keys = jax.random.split(jax.random.fold_in(key, i), len(leaves))
-            leaves = [
-                w + noise * jnp.std(w) * jax.random.normal(k, w.shape, w.dtype)
-                for w, k in zip(leaves, keys, strict=True)
-            ]
-            weights = jax.tree.unflatten(tree, leaves)
+    weights = nnx.state(base, nnx.Param)
+    for head in model.mtp:
         nnx.update(head.block, weights)
         head.proj[...] = jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)]).astype(e.dtype)
         head.norm_e.weight[...] = jnp.full((d,), rho, e.dtype)
