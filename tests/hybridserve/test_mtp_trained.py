@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from chi_square import p_value
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import MtpConfig
-from hybridserve.runner.sampler import filtered_logits
+from tests.hybridserve.exact_joint import exact_joint
 from tests.hybridserve.inkling_models import (
     build_inkling,
     emulating_heads,
@@ -185,27 +183,6 @@ def test_acceptance_after_a_rejection_improves_with_the_rerun(ckpt, rerun):
 TOP_K, PROMPT, ALPHA, REQUESTS = 4, list(range(100, 111)), 1e-3, 200
 
 
-def _exact_joint(runner) -> dict[tuple[int, int, int], float]:
-    """P(a, b, c) of the first three tokens after PROMPT at temperature 1, top-k TOP_K, from
-    the model's one-pass logits (`runner.sequence_logits`), one token at a time."""
-    one = jnp.ones(1)
-
-    def probs(prefix: tuple[int, ...]) -> np.ndarray:
-        row = jnp.asarray(runner.sequence_logits(PROMPT + list(prefix)))[-1:]
-        f = filtered_logits(row, one, jnp.full(1, TOP_K), one, jnp.zeros(1))
-        return np.asarray(jax.nn.softmax(f, axis=-1)[0], np.float64)
-
-    joint = {}
-    p0 = probs(())
-    for a in map(int, np.flatnonzero(p0)):
-        p1 = probs((a,))
-        for b in map(int, np.flatnonzero(p1)):
-            p2 = probs((a, b))
-            for c in map(int, np.flatnonzero(p2)):
-                joint[(a, b, c)] = p0[a] * p1[b] * p2[c]
-    return joint
-
-
 def test_sampled_output_with_eight_rerun_heads_is_exact(ckpt):
     """200 requests of 10 tokens, 8 seats: the first step drafts 8 tokens with the real heads
     (drawn from their filtered distributions, verified by rejection sampling); where one is
@@ -217,7 +194,7 @@ def test_sampled_output_with_eight_rerun_heads_is_exact(ckpt):
         temperature=1.0, top_k=TOP_K, max_tokens=K + 2, ignore_eos=True, seed=None
     )
     with _llm(ckpt, spec) as llm:
-        joint = _exact_joint(llm.engine.runner)
+        joint = exact_joint(llm.engine.runner, PROMPT, 3, TOP_K)
         got = _run(llm, [PROMPT] * REQUESTS, params)
         s, steps = llm.engine.stats(), llm.engine.runner.spec.num_steps
     assert 0.2 < s["spec_acceptance_rate"] < 0.9, s

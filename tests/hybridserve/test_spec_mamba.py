@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_shapes import TINY
@@ -165,19 +163,11 @@ def test_mtp_sampling_on_a_mamba_hybrid_is_exact(mtp_llm, plain_llm):
     plain engine's one-pass logits (chi-square; test_mtp.py sizes such a test by power)."""
     from chi_square import p_value
 
-    from hybridserve.runner.sampler import filtered_logits
+    from tests.hybridserve.exact_joint import exact_joint
 
-    runner = plain_llm.engine.runner
-    one = jnp.ones(1)
-
-    def probs(prefix: list[int]) -> np.ndarray:
-        row = jnp.asarray(runner.sequence_logits(PROMPT + prefix))[-1:]
-        f = filtered_logits(row, one, jnp.full(1, TOP_K), one, jnp.zeros(1))
-        return np.asarray(jax.nn.softmax(f, axis=-1)[0], np.float64)
-
-    p1 = probs([])
-    cells = [(int(a), int(b)) for a in np.flatnonzero(p1) for b in np.flatnonzero(probs([int(a)]))]
-    exact = np.array([p1[a] * probs([a])[b] for a, b in cells])
+    joint = exact_joint(plain_llm.engine.runner, PROMPT, 2, TOP_K)
+    cells = list(joint)
+    exact = np.array([joint[c] for c in cells])
     n = 200
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
     before = mtp_llm.engine.stats()
